@@ -1,0 +1,402 @@
+"""HybridStrategy: dense variables mirrored and all-reduced, embedding tables on PS tasks.
+
+One coordinator process (this one, TF_CONFIG task `chief`) drives every `worker` and
+`ps` task of the cluster. A training step is one `tf.function` replicated in-graph
+on every worker device, as MirroredStrategy does on one machine; variables that
+`placement` assigns to a PS live there once and are read and updated by row.
+
+```python
+import keras, hybrid_strategy
+strategy = hybrid_strategy.HybridStrategy()      # TF_CONFIG if set, else this machine
+with strategy.scope():
+    model = keras.Sequential([keras.layers.Embedding(1000, 8),
+                              keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+print(strategy.placement)
+```
+"""
+
+import inspect
+import itertools
+import warnings
+
+import tensorflow as tf
+
+# TF-private: MirroredExtended is the in-graph replication engine we extend (TF's
+# public MirroredStrategy refuses remote devices in eager mode); the other modules
+# are the helpers it is built from (per-replica values, collective options,
+# the update/merge plumbing).
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import device_util
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import numpy_dataset
+from tensorflow.python.distribute import values as values_lib
+
+from hybrid_strategy import cluster as cluster_lib
+from hybrid_strategy import communication
+from hybrid_strategy import placement as placement_lib
+from hybrid_strategy import table as table_lib
+
+_LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
+_CHIEF_JOB = "chief"
+# The cluster this process is connected to: TensorFlow keeps one per process.
+_connected_cluster = None
+_collective_key_bases = itertools.count(0, 100)
+
+
+class PlacementWarning(UserWarning):
+    """A variable's placement does not fit the type of gradient it receives."""
+
+
+class HybridStrategy(tf.distribute.Strategy):
+    """Mirrors dense variables on every worker device and keeps embeddings on PS tasks.
+
+    With a cluster (a `cluster_resolver`, or TF_CONFIG in the environment), this
+    process must be the cluster's `chief`: it connects to every `worker` and `ps`
+    task (each running `python -m hybrid_strategy.server`) and replicates the
+    training step on every worker device. Without one, replicas are this machine's
+    devices and PS variables live on its CPU.
+
+    Placement is decided when a layer builds its weights: weights of Keras
+    `Embedding` layers (and subclasses) go to a PS task, everything else is
+    mirrored. `placement_overrides` changes that per layer or variable, and
+    `strategy.placement` shows the result.
+
+    ```python
+    strategy = HybridStrategy(placement_overrides={"decoder/kernel": "ps"})
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adagrad", loss="sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=3)
+    ```
+
+    Args:
+        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`, or None
+            to read TF_CONFIG (and run on this machine alone if it is unset).
+        architecture: "hybrid" (default), "allreduce" (every variable mirrored) or
+            "ps" (every layer weight on a PS task): one code path, so the three can
+            be compared.
+        placement_overrides: `{pattern: "ps" | "mirrored"}`; a pattern (fnmatch)
+            matches a variable path "layer_name/variable_name" or a layer name.
+        devices: Single-machine mode only: the local devices to replicate over
+            (default: every GPU, else the CPU).
+        communication_options: `tf.distribute.experimental.CommunicationOptions`
+            for the dense all-reduce (implementation, timeout).
+        connect_timeout: Seconds to wait for every task to answer at start-up.
+    """
+
+    def __init__(self, cluster_resolver=None, *, architecture="hybrid",
+                 placement_overrides=None, devices=None,
+                 communication_options=None, connect_timeout=60.0):
+        if cluster_resolver is not None:
+            config = cluster_lib.from_cluster_resolver(cluster_resolver)
+        else:
+            config = cluster_lib.from_environment()
+        # Collective instances are keyed by group; a group used by an earlier
+        # strategy keeps that strategy's tensor shapes, so each gets its own.
+        self._collective_key_base = next(_collective_key_bases)
+        extended = HybridExtended(
+            self, config, architecture=architecture,
+            placement_overrides=placement_overrides, devices=devices,
+            communication_options=communication_options,
+            connect_timeout=connect_timeout)
+        super().__init__(extended)
+
+    @property
+    def architecture(self):
+        return self.extended.policy.architecture
+
+    @property
+    def cluster(self):
+        """The `ClusterConfig` driven by this strategy, or None on one machine."""
+        return self.extended.cluster
+
+    @property
+    def placement(self):
+        """The `PlacementPlan` of every variable created so far (print it)."""
+        return self.extended.policy.plan
+
+    @property
+    def gradient_types(self):
+        """`{variable path: "sparse" | "dense"}` as seen in traced training steps."""
+        return dict(self.extended.gradient_types)
+
+    @property
+    def ps_aggregated(self):
+        """Paths of the PS tables whose sparse gradients are summed on their PS."""
+        return set(self.extended.ps_aggregated)
+
+
+class HybridExtended(mirrored_strategy.MirroredExtended):
+    """The strategy's implementation: placement, sparse aggregation, PS updates."""
+
+    def __init__(self, container_strategy, config, *, architecture,
+                 placement_overrides, devices, communication_options,
+                 connect_timeout):
+        # MirroredExtended.__init__ refuses remote devices in eager mode; the
+        # fields it would set are set here instead.
+        distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
+        self.cluster = config
+        self._collective_key_base = container_strategy._collective_key_base
+        self._cross_device_ops = None
+        if config is None:
+            worker_devices, ps_devices = _local_devices(devices), [_LOCAL_CPU]
+            num_ps = 0
+        else:
+            if devices is not None:
+                raise ValueError(
+                    "devices= is for single-machine mode; with a cluster, the "
+                    "replicas are every worker's devices. Remove devices= or unset "
+                    "TF_CONFIG.")
+            _check_cluster(config, architecture)
+            worker_devices, ps_devices = _connect(config, connect_timeout)
+            num_ps = config.num_ps
+        self.policy = placement_lib.PlacementPolicy(
+            architecture, num_ps=num_ps, overrides=placement_overrides)
+        self._ps_devices = ps_devices
+        self._devices = tuple(worker_devices)
+        hosts = {}
+        for device in self._devices:
+            hosts.setdefault(communication.host_of(device), []).append(device)
+        self._input_workers_devices = tuple(
+            (host, tuple(replicas)) for host, replicas in hosts.items())
+        self._host_input_device = numpy_dataset.SingleDevice(
+            self._input_workers_devices[0][0])
+        self._default_device = None
+        self._is_multi_worker_training = config is not None
+        self._communication_options = collective_util.Options()
+        self._collective_ops = self._make_collective_ops_with_fallbacks()
+        if communication_options is not None:
+            self._communication_options = self._communication_options.merge(
+                communication_options)
+        self._cross_device_ops = self._collective_ops
+        self._inferred_cross_device_ops = self._collective_ops
+        self.experimental_enable_get_next_as_optional = True
+        self._use_var_policy = False
+        self._variable_paths = {}
+        self.gradient_types = {}
+        self.ps_aggregated = set()
+        table_lib.install_keras_hook()
+
+    # Variable creation -------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.get("colocate_with")
+        if table_lib.is_table(colocate_with):
+            # An optimizer slot of a PS table: it lives beside the table.
+            kwargs.pop("colocate_with")
+            path = f"{table_lib.path_of(colocate_with)}/{kwargs.get('name') or 'slot'}"
+            return self._create_table(next_creator, colocate_with.device, path, kwargs)
+        info = _describe_variable(kwargs) if colocate_with is None else None
+        if info is not None:
+            decided = self.policy.decide(info)
+            if decided.kind == placement_lib.PS:
+                device = self._ps_devices[decided.ps_task or 0]
+                return self._create_table(next_creator, device, info.path, kwargs)
+        variable = super()._create_variable(next_creator, **kwargs)
+        if info is not None:
+            self._variable_paths[variable.ref()] = info.path
+        return variable
+
+    def _create_table(self, next_creator, device, path, kwargs):
+        with tf.device(device):
+            variable = next_creator(**kwargs)
+        table_lib.mark(variable, path)
+        return variable
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        if not table_lib.is_table(colocate_with_variable):
+            super()._validate_colocate_with_variable(colocate_with_variable)
+
+    def variable_created_in_scope(self, v):
+        return table_lib.is_table(v) or super().variable_created_in_scope(v)
+
+    def read_var(self, replica_local_var):
+        if table_lib.is_table(replica_local_var):
+            return tf.identity(replica_local_var)
+        return super().read_var(replica_local_var)
+
+    # Gradient aggregation ----------------------------------------------------
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        results = [None] * len(value_destination_pairs)
+        collective = []
+        for i, (value, destinations) in enumerate(value_destination_pairs):
+            table = _sparse_table_of(value)
+            if table is None:
+                collective.append(i)
+                continue
+            scale = (1.0 / self._num_replicas_in_sync
+                     if reduce_op == tf.distribute.ReduceOp.MEAN else None)
+            total = communication.sum_sparse(
+                _components(value), self._devices, table.device, scale=scale)
+            results[i] = values_lib.Mirrored((total,) * self._num_replicas_in_sync)
+            self.ps_aggregated.add(table_lib.path_of(table))
+        if collective:
+            reduced = super()._batch_reduce_to(
+                reduce_op, [value_destination_pairs[i] for i in collective], options)
+            for i, value in zip(collective, reduced):
+                results[i] = _merge_duplicate_rows(value)
+        return results
+
+    # Updates -----------------------------------------------------------------
+
+    def _update(self, var, fn, args, kwargs, group):
+        self._note_gradient_type(var, args)
+        if isinstance(var, values_lib.DistributedVariable):
+            return super()._update(var, fn, args, kwargs, group)
+        # A PS table: one update, on its own device, with the summed gradient.
+        with tf.device(var.device), distribute_lib.UpdateContext(0), \
+                tf.name_scope("ps_update"):
+            result = fn(var, *distribute_utils.select_replica(0, args),
+                        **distribute_utils.select_replica(0, kwargs))
+        return distribute_utils.update_regroup(self, [result], group)
+
+    def _note_gradient_type(self, var, args):
+        """Records each trainable variable's gradient type; warns once on a misfit."""
+        # Eager updates are assignments (set_weights, restores), not training steps.
+        if not args or not tf.inside_function() or not getattr(var, "trainable", False):
+            return
+        grad = distribute_utils.select_replica(0, args[0])
+        if not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+            return
+        if table_lib.is_table(var):
+            path, kind = table_lib.path_of(var), placement_lib.PS
+        else:
+            path, kind = self._variable_paths.get(var.ref()), placement_lib.MIRRORED
+        if path is None or path in self.gradient_types:
+            return
+        sparse = isinstance(grad, tf.IndexedSlices)
+        self.gradient_types[path] = "sparse" if sparse else "dense"
+        advice = placement_lib.gradient_misfit(kind, sparse)
+        if advice:
+            warnings.warn(
+                f"HybridStrategy: variable '{path}' {advice} (override with "
+                f"placement_overrides={{'{path}': ...}}). Training stays correct.",
+                PlacementWarning, stacklevel=2)
+
+
+def _components(value):
+    if isinstance(value, values_lib.DistributedValues):
+        return value.values
+    return (value,)
+
+
+def _sparse_table_of(value):
+    """The PS table every replica's IndexedSlices in `value` belongs to, or None."""
+    tables = set()
+    for component in _components(value):
+        if not isinstance(component, tf.IndexedSlices):
+            return None
+        table = table_lib.table_of_gradient(component.indices)
+        if table is None:
+            return None
+        tables.add(table.ref())
+    return tables.pop().deref() if len(tables) == 1 else None
+
+
+def _merge_duplicate_rows(value):
+    """All-gathered IndexedSlices repeat rows; optimizers like Adagrad need them once."""
+    components = _components(value)
+    if not isinstance(components[0], tf.IndexedSlices):
+        return value
+    merged = []
+    for component in components:
+        with tf.device(component.values.device):
+            merged.append(communication.merge_duplicates(component))
+    return values_lib.Mirrored(tuple(merged))
+
+
+def _describe_variable(kwargs):
+    """Describes the variable being created from the layer building it."""
+    layer, name, shape = _building_layer()
+    if layer is None:
+        return placement_lib.VariableInfo(
+            path=str(kwargs.get("name") or "variable"), shape=(), itemsize=0,
+            trainable=bool(kwargs.get("trainable", True)))
+    dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+    classes = tuple(c.__name__ for c in type(layer).__mro__)
+    return placement_lib.VariableInfo(
+        path=f"{layer.name}/{name or kwargs.get('name')}",
+        shape=tuple(int(d) for d in tf.TensorShape(shape).as_list()),
+        itemsize=dtype.size, layer_classes=classes,
+        trainable=bool(kwargs.get("trainable", True)))
+
+
+def _building_layer(max_depth=40):
+    """Finds the innermost `Layer.add_weight` call on the stack: (layer, name, shape).
+
+    Keras 3 and tf_keras both create layer weights through `add_weight(self, ...)`;
+    reading its frame tells the layer and the weight's declared shape without
+    relying on variable names.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_depth):
+            frame = frame.f_back
+            if frame is None:
+                break
+            if frame.f_code.co_name != "add_weight":
+                continue
+            local = frame.f_locals
+            layer = local.get("self")
+            if layer is not None and hasattr(layer, "add_weight"):
+                return layer, local.get("name"), local.get("shape") or ()
+        return None, None, None
+    finally:
+        del frame
+
+
+def _local_devices(devices):
+    if devices:
+        return [device_util.resolve(d) for d in devices]
+    return [g.name for g in tf.config.list_logical_devices("GPU")] or [_LOCAL_CPU]
+
+
+def _check_cluster(config, architecture):
+    if config.task_type not in (None, _CHIEF_JOB):
+        raise cluster_lib.ClusterConfigError(
+            f"This process is /job:{config.task_type}/task:{config.task_index} in "
+            "TF_CONFIG, but the training program runs on the chief only. Start "
+            f"{config.task_type} tasks with `python -m hybrid_strategy.server` and "
+            "run this program with TF_CONFIG's task set to {\"type\": \"chief\", "
+            "\"index\": 0}.")
+    if config.num_workers < 1:
+        raise cluster_lib.ClusterConfigError(
+            "The cluster has no `worker` task: HybridStrategy replicates training on "
+            "workers. Add at least one worker address to TF_CONFIG's cluster.")
+    if architecture in ("hybrid", "ps") and config.num_ps < 1:
+        raise cluster_lib.ClusterConfigError(
+            f"architecture={architecture!r} needs at least one `ps` task, but the "
+            f"cluster has {config.num_workers} worker(s) and no ps. Add ps addresses "
+            "to TF_CONFIG's cluster, or use architecture='allreduce'.")
+
+
+def _connect(config, timeout):
+    """Connects this process to the cluster; returns (worker devices, ps devices)."""
+    global _connected_cluster
+    spec = config.as_cluster_spec_dict()
+    if _connected_cluster is None:
+        cluster_lib.wait_for_tasks(config, timeout)
+        tf.config.experimental_connect_to_cluster(
+            tf.train.ClusterSpec(spec), job_name=_CHIEF_JOB, task_index=0,
+            protocol="grpc", make_master_device_default=False)
+        _connected_cluster = spec
+    elif _connected_cluster != spec:
+        raise RuntimeError(
+            "This process is already connected to another cluster "
+            f"({_connected_cluster}); TensorFlow supports one per process. Create "
+            "every HybridStrategy of a program with the same cluster.")
+    devices = tf.config.list_logical_devices()
+    worker_devices = []
+    for index in range(config.num_workers):
+        task = f"/job:worker/replica:0/task:{index}/"
+        on_task = [d.name for d in devices if d.name.startswith(task)]
+        gpus = [d for d in on_task if "/device:GPU:" in d]
+        worker_devices += gpus or [task + "device:CPU:0"]
+    ps_devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0"
+                  for i in range(config.num_ps)]
+    return worker_devices, ps_devices
