@@ -54,7 +54,7 @@ def lookup(table, ids, name=None):
         ids = tf.convert_to_tensor(ids)
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
         num_rows = table.shape[0]
-        message = (f"embedding id out of range for table '{path_of(table)}' "
+        message = (f"embedding id out of range for table {path_of(table)} "
                    f"({num_rows} rows): ids must be in [0, {num_rows})")
         checks = [
             tf.debugging.assert_non_negative(unique_ids, message=message),

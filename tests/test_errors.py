@@ -1,0 +1,85 @@
+"""Bad input gets a clear error naming the problem, fast, never a hang."""
+
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hybrid_strategy
+from hybrid_strategy import cluster
+
+
+def closed_port():
+    port = cluster.free_port()
+    with socket.socket() as s:  # nothing listens there once it is closed again
+        s.bind(("127.0.0.1", port))
+    return port
+
+
+def tf_config(cluster_dict, task=("chief", 0)):
+    return json.dumps({"cluster": cluster_dict, "task": {"type": task[0], "index": task[1]}})
+
+
+def test_malformed_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{'cluster': ")
+    with pytest.raises(hybrid_strategy.ClusterConfigError, match="TF_CONFIG"):
+        hybrid_strategy.HybridStrategy()
+
+
+def test_hybrid_needs_a_ps_task(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config(
+        {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}))
+    with pytest.raises(hybrid_strategy.ClusterConfigError,
+                       match="architecture='hybrid' needs at least one `ps` task"):
+        hybrid_strategy.HybridStrategy()
+
+
+def test_training_program_must_run_on_the_chief(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config(
+        {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+        task=("worker", 0)))
+    with pytest.raises(hybrid_strategy.ClusterConfigError,
+                       match=r"/job:worker/task:0 .*python -m hybrid_strategy.server"):
+        hybrid_strategy.HybridStrategy()
+
+
+def test_unreachable_task_is_named_within_the_timeout(monkeypatch):
+    worker, ps = f"127.0.0.1:{closed_port()}", f"127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("TF_CONFIG", tf_config(
+        {"chief": [f"127.0.0.1:{closed_port()}"], "worker": [worker], "ps": [ps]}))
+    start = time.monotonic()
+    with pytest.raises(hybrid_strategy.TaskUnreachableError) as error:
+        hybrid_strategy.HybridStrategy(connect_timeout=1.0)
+    assert time.monotonic() - start < 10
+    assert f"/job:worker/task:0 at {worker}" in str(error.value)
+    assert f"/job:ps/task:0 at {ps}" in str(error.value)
+
+
+def test_devices_argument_is_for_one_machine(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config(
+        {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}))
+    with pytest.raises(ValueError, match="devices= is for single-machine mode"):
+        hybrid_strategy.HybridStrategy(devices=["/cpu:0"])
+
+
+def test_embedding_id_out_of_range_names_the_table(monkeypatch):
+    import keras
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = hybrid_strategy.HybridStrategy()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input(shape=(2,), dtype="int32"),
+            keras.layers.Embedding(10, 2, name="words"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer="sgd", loss="mse")
+    ids = np.array([[1, 2], [3, 12]], "int32")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"embedding id out of range for table words/embeddings "
+                             r"\(10 rows\): ids must be in \[0, 10\)"):
+        model.fit(ids, np.zeros((2, 1)), batch_size=2, verbose=0)

@@ -1,0 +1,95 @@
+"""Placement rules, without TensorFlow."""
+
+import pytest
+
+from hybrid_strategy import placement
+
+EMBEDDING = ("Embedding", "Layer", "object")
+DENSE = ("Dense", "Layer", "object")
+
+
+def info(path, shape=(10, 4), classes=DENSE):
+    return placement.VariableInfo(path, shape, 4, classes)
+
+
+def test_hybrid_puts_embeddings_on_ps_and_the_rest_mirrored():
+    policy = placement.PlacementPolicy("hybrid", num_ps=1)
+    assert policy.decide(info("emb/embeddings", classes=EMBEDDING)) == placement.Placement("ps", 0)
+    assert policy.decide(info("dense/kernel")) == placement.Placement("mirrored")
+
+
+def test_embedding_subclasses_are_sparse_layers():
+    policy = placement.PlacementPolicy("hybrid", num_ps=1)
+    decided = policy.decide(info("tok/embeddings", classes=("TokenEmbedding",) + EMBEDDING))
+    assert decided.kind == "ps"
+    assert policy.plan["tok/embeddings"].reason == "TokenEmbedding subclasses Embedding"
+
+
+def test_architectures_allreduce_and_ps():
+    allreduce = placement.PlacementPolicy("allreduce", num_ps=2)
+    assert allreduce.decide(info("emb/embeddings", classes=EMBEDDING)).kind == "mirrored"
+    ps = placement.PlacementPolicy("ps", num_ps=2)
+    assert ps.decide(info("dense/kernel")).kind == "ps"
+
+
+def test_non_layer_variables_stay_mirrored_and_out_of_the_plan():
+    policy = placement.PlacementPolicy("ps", num_ps=1)
+    assert policy.decide(info("iteration", shape=(), classes=())).kind == "mirrored"
+    assert len(policy.plan) == 0
+
+
+def test_greedy_balance_by_bytes():
+    policy = placement.PlacementPolicy("hybrid", num_ps=2)
+    big = policy.decide(info("a/embeddings", (1000, 8), EMBEDDING))
+    small1 = policy.decide(info("b/embeddings", (10, 8), EMBEDDING))
+    small2 = policy.decide(info("c/embeddings", (10, 8), EMBEDDING))
+    assert (big.ps_task, small1.ps_task, small2.ps_task) == (0, 1, 1)
+    assert policy.plan.bytes_per_ps_task(2) == [32000, 640]
+
+
+def test_overrides_match_paths_and_layer_names():
+    policy = placement.PlacementPolicy(
+        "hybrid", num_ps=1,
+        overrides={"emb": "mirrored", "decoder/kernel": "ps", "head*": "ps"})
+    assert policy.decide(info("emb/embeddings", classes=EMBEDDING)).kind == "mirrored"
+    assert policy.decide(info("decoder/kernel")).kind == "ps"
+    assert policy.decide(info("decoder/bias")).kind == "mirrored"
+    assert policy.decide(info("head_2/kernel")).kind == "ps"
+    assert policy.plan["emb/embeddings"].reason == "override 'emb'"
+
+
+def test_single_machine_ps_variables_live_on_the_local_cpu():
+    policy = placement.PlacementPolicy("hybrid", num_ps=0)
+    decided = policy.decide(info("emb/embeddings", classes=EMBEDDING))
+    assert decided == placement.Placement("ps", None)
+    assert str(decided) == "ps (local CPU)"
+
+
+def test_plan_prints_a_table():
+    policy = placement.PlacementPolicy("hybrid", num_ps=1)
+    policy.decide(info("emb/embeddings", (50_000, 64), EMBEDDING))
+    policy.decide(info("dense/kernel", (64, 1)))
+    lines = str(policy.plan).splitlines()
+    assert lines[0].split() == ["variable", "shape", "bytes", "placement", "why"]
+    assert lines[1].split()[:4] == ["emb/embeddings", "50000x64", "12,800,000", "/job:ps/task:0"]
+    assert lines[2].split()[:4] == ["dense/kernel", "64x1", "256", "mirrored"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"architecture": "mixed"}, "architecture='mixed' is not supported"),
+    ({"num_ps": -1}, "num_ps must be an int >= 0"),
+    ({"overrides": ["emb"]}, "placement_overrides must be a dict"),
+    ({"overrides": {"emb": "gpu"}}, "placement_overrides['emb'] is 'gpu'"),
+    ({"overrides": {"": "ps"}}, "must be a non-empty string"),
+])
+def test_bad_arguments_say_what_to_do(kwargs, message):
+    with pytest.raises((ValueError, TypeError)) as error:
+        placement.PlacementPolicy(**kwargs)
+    assert message in str(error.value)
+
+
+def test_gradient_misfit_advice():
+    assert placement.gradient_misfit("ps", gradient_is_sparse=True) is None
+    assert placement.gradient_misfit("mirrored", gradient_is_sparse=False) is None
+    assert "dense gradient" in placement.gradient_misfit("ps", gradient_is_sparse=False)
+    assert "sparse" in placement.gradient_misfit("mirrored", gradient_is_sparse=True)
