@@ -1,0 +1,220 @@
+"""Tests of hybrid_strategy.cluster: TF_CONFIG checks, resolver conversion, task probing."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybrid_strategy import cluster
+from hybrid_strategy.cluster import ClusterConfigError
+
+CLUSTER = {
+    "chief": ["127.0.0.1:2220"],
+    "worker": ["127.0.0.1:2221", "127.0.0.1:2222"],
+    "ps": ["127.0.0.1:2223"],
+}
+
+
+def tf_config(cluster_=None, task=None, **extra):
+    data = {"cluster": CLUSTER if cluster_ is None else cluster_,
+            "task": {"type": "worker", "index": 1} if task is None else task}
+    data.update(extra)
+    return json.dumps(data)
+
+
+class FakeSpec:
+    def __init__(self, jobs):
+        self.jobs = jobs
+
+    def as_dict(self):
+        return self.jobs
+
+
+class FakeResolver:
+    def __init__(self, jobs, task_type="chief", task_id=0):
+        self.spec, self.task_type, self.task_id = FakeSpec(jobs), task_type, task_id
+
+    def cluster_spec(self):
+        return self.spec
+
+
+def test_parse_valid_config():
+    config = cluster.parse_tf_config(tf_config())
+    assert (config.task_type, config.task_index) == ("worker", 1)
+    assert (config.num_workers, config.num_ps) == (2, 1)
+    assert config.address("worker", 1) == "127.0.0.1:2222"
+    assert config.device("ps", 0) == "/job:ps/task:0"
+    assert list(config.tasks()) == [
+        ("chief", 0, "127.0.0.1:2220"), ("worker", 0, "127.0.0.1:2221"),
+        ("worker", 1, "127.0.0.1:2222"), ("ps", 0, "127.0.0.1:2223"),
+    ]
+    assert config.as_cluster_spec_dict() == CLUSTER
+
+
+def test_to_tf_config_round_trips():
+    config = cluster.parse_tf_config(tf_config())
+    other = cluster.parse_tf_config(config.to_tf_config("ps", 0))
+    assert other.cluster == config.cluster
+    assert (other.task_type, other.task_index) == ("ps", 0)
+
+
+def test_config_is_frozen_and_copies_addresses():
+    addresses = ["127.0.0.1:2221"]
+    config = cluster.ClusterConfig({"worker": addresses}, "worker", 0)
+    addresses.append("127.0.0.1:2222")
+    assert config.cluster == {"worker": ("127.0.0.1:2221",)}
+    with pytest.raises(AttributeError):
+        config.task_index = 1
+
+
+def test_unknown_task_lookups_say_what_exists():
+    config = cluster.parse_tf_config(tf_config())
+    with pytest.raises(ClusterConfigError, match=r'no job "evaluator".*"chief", "worker", "ps"'):
+        config.device("evaluator", 0)
+    with pytest.raises(ClusterConfigError, match=r'"worker" has no task 2.*0 to 1'):
+        config.address("worker", 2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"not valid JSON \(Expecting property name.*line 1 column 2"),
+    ('["a"]', r'must be a JSON object with "cluster" and "task", got a list'),
+    (json.dumps({"task": {"type": "worker", "index": 0}}), r'has no "cluster"; add one'),
+    (tf_config(cluster_={}), r'"cluster" is empty'),
+    (tf_config(cluster_=["127.0.0.1:1"]), r'"cluster" must be an object.*got a list'),
+    (tf_config(cluster_={"workers": ["127.0.0.1:1"]}),
+     r'unknown job "workers".*allowed jobs are "chief", "worker", "ps", "evaluator"'),
+    (tf_config(cluster_={"worker": []}), r'job "worker" must be a non-empty list of "host:port"'),
+    (tf_config(cluster_={"worker": "127.0.0.1:1"}), r'job "worker" must be a non-empty list'),
+    (tf_config(cluster_={"worker": [2222]}), r'job "worker" must be a non-empty list'),
+    (tf_config(cluster_={"worker": ["127.0.0.1:1", "localhost"]}),
+     r'job "worker" task 1 has address "localhost", which is not "host:port"'),
+    (tf_config(cluster_={"worker": ["127.0.0.1:http"]}), r'address "127.0.0.1:http"'),
+    (tf_config(cluster_={"worker": ["127.0.0.1:0"]}), r"port from 1 to 65535"),
+    (tf_config(cluster_={"worker": ["127.0.0.1:65536"]}), r"port from 1 to 65535"),
+    (tf_config(cluster_={"worker": [":2222"]}), r'address ":2222"'),
+    (tf_config(cluster_={"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:1"]}),
+     r'"127.0.0.1:1" is used by both /job:worker/task:0 and /job:ps/task:0; give every task'),
+    (tf_config(cluster_={"chief": ["a:1", "b:1"], "worker": ["c:1"]}),
+     r'"chief" has 2 tasks; there can be only one chief'),
+    (json.dumps({"cluster": CLUSTER}), r'has no "task"; add "task"'),
+    (tf_config(task=["worker", 0]), r'"task" must be an object'),
+    (tf_config(task={"index": 0}), r'"task" has no "type"'),
+    (tf_config(task={"type": "worker"}), r'"task" has no "index"'),
+    (tf_config(task={"type": "evaluator", "index": 0}),
+     r"task type 'evaluator' is not a job of the cluster.*\"chief\", \"worker\", \"ps\""),
+    (tf_config(task={"type": "worker", "index": "1"}), r"task index '1' must be an integer"),
+    (tf_config(task={"type": "worker", "index": True}), r"task index True must be an integer"),
+    (tf_config(task={"type": "worker", "index": 2}),
+     r'task index 2 is out of range: job "worker" has 2 task\(s\), so use an index from 0 to 1'),
+    (tf_config(task={"type": "worker", "index": -1}), r"task index -1 is out of range"),
+])
+def test_parse_errors_name_the_problem(text, message):
+    with pytest.raises(ClusterConfigError, match=message) as info:
+        cluster.parse_tf_config(text)
+    assert str(info.value).startswith("TF_CONFIG")
+
+
+def test_ipv6_address_is_accepted():
+    config = cluster.parse_tf_config(tf_config(cluster_={"worker": ["[::1]:2222"]},
+                                               task={"type": "worker", "index": 0}))
+    assert config.address("worker", 0) == "[::1]:2222"
+
+
+def test_from_environment():
+    assert cluster.from_environment({}) is None
+    assert cluster.from_environment({"TF_CONFIG": "  "}) is None
+    assert cluster.from_environment({"TF_CONFIG": tf_config()}).task_index == 1
+    with pytest.raises(ClusterConfigError, match="not valid JSON"):
+        cluster.from_environment({"TF_CONFIG": "{"})
+
+
+def test_from_cluster_resolver_accepts_lists_and_index_dicts():
+    jobs = {"chief": ["127.0.0.1:2220"], "worker": {1: "127.0.0.1:2222", 0: "127.0.0.1:2221"}}
+    config = cluster.from_cluster_resolver(FakeResolver(jobs))
+    assert config.cluster["worker"] == ("127.0.0.1:2221", "127.0.0.1:2222")
+    assert (config.task_type, config.task_index) == ("chief", 0)
+
+
+@pytest.mark.parametrize("resolver, message", [
+    (FakeResolver({"worker": {0: "a:1", 2: "b:1"}}), r'task indices \[0, 2\]; number its tasks'),
+    (FakeResolver({"worker": ["a:1"]}, task_type=None), r"has no task.*task_type=\"chief\""),
+    (FakeResolver({"worker": ["a:1"]}, task_type="ps"), r"task type 'ps' is not a job"),
+    (FakeResolver({"worker": ["a:1", "a:1"]}), r'"a:1" is used by both'),
+])
+def test_from_cluster_resolver_errors(resolver, message):
+    with pytest.raises(ClusterConfigError, match=message) as info:
+        cluster.from_cluster_resolver(resolver)
+    assert str(info.value).startswith("cluster resolver")
+
+
+def test_from_tf_simple_cluster_resolver():
+    tf = pytest.importorskip("tensorflow")
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(CLUSTER), task_type="chief", task_id=0)
+    config = cluster.from_cluster_resolver(resolver)
+    assert config.as_cluster_spec_dict() == CLUSTER
+    assert (config.task_type, config.task_index) == ("chief", 0)
+
+
+def test_module_does_not_import_tensorflow():
+    # Load cluster.py alone: the package __init__ may import TensorFlow, this module must not.
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('c', {cluster.__file__!r})\n"
+        "module = sys.modules['c'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "assert 'tensorflow' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.fixture
+def listening():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_wait_for_tasks_reaches_a_listening_task(listening):
+    config = cluster.ClusterConfig({"chief": ["127.0.0.1:1"], "worker": [listening]})
+    started = time.monotonic()
+    cluster.wait_for_tasks(config, timeout=5)  # chief/0 (nothing listens) is skipped
+    assert time.monotonic() - started < 1
+
+
+def test_wait_for_tasks_names_unreachable_tasks_within_timeout(listening):
+    closed = f"127.0.0.1:{cluster.free_port()}"
+    config = cluster.ClusterConfig({"worker": [listening], "ps": [closed]})
+    started = time.monotonic()
+    with pytest.raises(cluster.TaskUnreachableError) as info:
+        cluster.wait_for_tasks(config, timeout=1.0)
+    assert time.monotonic() - started < 2.0
+    message = str(info.value)
+    assert f"/job:ps/task:0 at {closed}" in message
+    assert listening not in message
+    assert "within 1 s" in message and "hybrid_strategy.server" in message
+
+
+def test_wait_for_tasks_stops_early_when_check_raises():
+    config = cluster.ClusterConfig({"worker": [f"127.0.0.1:{cluster.free_port()}"]})
+
+    def check():
+        raise RuntimeError("server died")
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="server died"):
+        cluster.wait_for_tasks(config, timeout=30, check=check)
+    assert time.monotonic() - started < 1
+
+
+def test_wait_for_tasks_rejects_bad_timeout():
+    config = cluster.ClusterConfig({"worker": ["127.0.0.1:1"]})
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        cluster.wait_for_tasks(config, timeout=0)
+
+
+def test_free_port_is_bindable():
+    with socket.create_server(("127.0.0.1", cluster.free_port())):
+        pass
