@@ -1,0 +1,1 @@
+"""Keras 3 examples trained with HybridStrategy."""
