@@ -1,0 +1,1 @@
+"""Benchmarks of HybridStrategy against TensorFlow's own strategies."""
