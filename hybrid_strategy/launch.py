@@ -1,0 +1,372 @@
+"""Starts a cluster of TF servers on this machine and runs one chief program against it.
+
+    python -m hybrid_strategy.launch --workers 2 --ps 1 -- python train.py --epochs 3
+
+Every worker and ps task runs `python -m hybrid_strategy.server`; the command after `--` runs
+as the chief, with TF_CONFIG naming task chief/0 of that cluster and HYBRID_STRATEGY_SERVER_PIDS
+listing the server process ids. The launcher exits with the chief's exit code (128 + signal
+number if a signal killed it) and leaves no server behind, whether the chief succeeds, fails or
+is interrupted. From Python, e.g. in a test fixture:
+
+    import subprocess, sys
+    from hybrid_strategy.launch import LocalCluster
+
+    with LocalCluster(workers=2, ps=1) as local:
+        subprocess.run([sys.executable, "train.py"], env=local.chief_environ(), check=True)
+"""
+import argparse
+import atexit
+import ctypes
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from hybrid_strategy import cluster as cluster_lib
+
+SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"
+_PREFIX = "hybrid_strategy.launch:"
+_SERVER_GRACE = 5.0  # seconds a server gets to exit after SIGTERM before SIGKILL
+_CHIEF_GRACE = 10.0  # seconds the chief gets after a forwarded signal before SIGKILL
+# The directory holding this package, so servers import the same code as the launcher.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PR_SET_PDEATHSIG = 1
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class ServerStartError(RuntimeError):
+    """A server process of a LocalCluster exited while the cluster was starting."""
+
+
+def _load_prctl():
+    """libc's prctl, resolved up front: the child after fork must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(deathsig: int):
+    """A preexec_fn asking the kernel to send `deathsig` to the child when the launcher dies
+    (None where there is no prctl)."""
+    if _PRCTL is None:
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        _PRCTL(_PR_SET_PDEATHSIG, deathsig, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class LocalCluster:
+    """`workers` worker and `ps` ps servers on `host`, as child processes of this one.
+
+        with LocalCluster(workers=2, ps=1) as local:
+            env = local.chief_environ()   # TF_CONFIG for chief/0, plus the server pids
+            subprocess.run([sys.executable, "train.py"], env=env, check=True)
+
+    Entering starts the servers and waits until each accepts connections (at most
+    `startup_timeout` seconds); leaving stops them (SIGTERM, then SIGKILL after 5 s), also
+    on error and at interpreter exit. `env` holds extra environment variables for the servers
+    (merged over os.environ); `quiet=False` lets their output through and lists the servers
+    on stderr once they serve. On Linux the servers
+    are killed if this process dies; the kernel ties them to the *thread* that starts them,
+    so start the cluster from a thread that outlives it (e.g. the main thread).
+    """
+
+    def __init__(self, workers=2, ps=1, *, host="127.0.0.1", startup_timeout=60.0, env=None,
+                 quiet=True):
+        _check_count("workers", workers, minimum=1)
+        _check_count("ps", ps, minimum=0)
+        if not isinstance(startup_timeout, (int, float)) or startup_timeout <= 0:
+            raise ValueError(
+                f"startup_timeout must be a positive number of seconds, got {startup_timeout!r}."
+            )
+        self.workers, self.ps, self.host = workers, ps, host
+        self.startup_timeout = startup_timeout
+        self.quiet = quiet
+        self._env = dict(env or {})
+        self.config: cluster_lib.ClusterConfig | None = None
+        self.processes: list[subprocess.Popen] = []
+        self._tasks: list[tuple[str, int]] = []  # (job, index) of each process
+        self.startup_seconds: float | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the servers, in task order (workers, then ps)."""
+        return [process.pid for process in self.processes]
+
+    @property
+    def chief_tf_config(self) -> str:
+        """TF_CONFIG (JSON) for the chief, task chief/0."""
+        return self._started_config().to_tf_config("chief", 0)
+
+    def chief_environ(self, base=None) -> dict[str, str]:
+        """`base` (default os.environ) plus the chief's TF_CONFIG and the server pids."""
+        environ = dict(os.environ if base is None else base)
+        environ["TF_CONFIG"] = self.chief_tf_config
+        environ[SERVER_PIDS_ENV] = ",".join(str(pid) for pid in self.pids)
+        return environ
+
+    def start(self) -> "LocalCluster":
+        """Starts the servers and waits until they serve; stops them all if that fails."""
+        if self.processes:
+            raise RuntimeError("this LocalCluster was already started; create a new one.")
+        started = time.monotonic()
+        self.config = _local_config(self.workers, self.ps, self.host)
+        atexit.register(self.close)
+        try:
+            for job, index, _ in self.config.tasks():
+                if job != "chief":
+                    self.processes.append(self._start_server(job, index))
+                    self._tasks.append((job, index))
+            cluster_lib.wait_for_tasks(
+                self.config, self.startup_timeout, check=self._raise_if_server_exited
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        if not self.quiet:
+            for (job, index), process in zip(self._tasks, self.processes):
+                print(f"{_PREFIX} {self.config.device(job, index)} on "
+                      f"{self.config.address(job, index)}, pid {process.pid}", file=sys.stderr)
+        return self
+
+    def close(self) -> None:
+        """Stops every server still running and reaps it; safe to call more than once."""
+        running = [p for p in self.processes if p.poll() is None]
+        for process in running:
+            process.terminate()
+        deadline = time.monotonic() + _SERVER_GRACE
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _started_config(self) -> cluster_lib.ClusterConfig:
+        if self.config is None:
+            raise RuntimeError(
+                "the LocalCluster is not started; use `with LocalCluster(...) as local:` "
+                "or call start() first."
+            )
+        return self.config
+
+    def _start_server(self, job: str, index: int) -> subprocess.Popen:
+        output = subprocess.DEVNULL if self.quiet else None
+        return subprocess.Popen(
+            [sys.executable, "-m", "hybrid_strategy.server"],
+            env=self._server_environ(job, index),
+            stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+            # Own session: a Ctrl-C meant for the chief does not hit the servers, which
+            # the launcher stops itself, in order.
+            start_new_session=True,
+            preexec_fn=_die_with_parent(signal.SIGKILL),
+        )
+
+    def _server_environ(self, job: str, index: int) -> dict[str, str]:
+        environ = dict(os.environ)
+        environ.update(self._env)
+        # The package's __init__ imports TensorFlow before server.py can set this itself.
+        environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        environ["TF_CONFIG"] = self.config.to_tf_config(job, index)
+        paths = [_PACKAGE_PARENT] + [p for p in [environ.get("PYTHONPATH")] if p]
+        environ["PYTHONPATH"] = os.pathsep.join(paths)
+        return environ
+
+    def _raise_if_server_exited(self) -> None:
+        for (job, index), process in zip(self._tasks, self.processes):
+            code = process.poll()
+            if code is not None:
+                hint = ("run with quiet=False (launcher: --verbose) to see its output"
+                        if self.quiet else "its output is above")
+                raise ServerStartError(
+                    f"server {self.config.device(job, index)} (pid {process.pid}) "
+                    f"{_describe_exit(code)} while the cluster was starting; {hint}."
+                )
+
+
+def _local_config(workers: int, ps: int, host: str) -> cluster_lib.ClusterConfig:
+    ports = _distinct_free_ports(1 + workers + ps, host)
+    addresses = [f"{host}:{port}" for port in ports]
+    cluster = {"chief": addresses[:1], "worker": addresses[1:1 + workers]}
+    if ps:
+        cluster["ps"] = addresses[1 + workers:]
+    return cluster_lib.ClusterConfig(cluster, "chief", 0)
+
+
+def _distinct_free_ports(count: int, host: str) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = cluster_lib.free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _check_count(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _exit_status(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + signal number if a signal killed it."""
+    return 128 - code if code < 0 else code
+
+
+class _Signalled(BaseException):
+    """SIGINT/SIGTERM to the launcher; BaseException so no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_signalled(signum, frame):
+    raise _Signalled(signum)
+
+
+def main(argv=None) -> int:
+    """Runs the launcher CLI; returns the exit code."""
+    options, command = _parse(_parser(), sys.argv[1:] if argv is None else list(argv))
+    # Handlers raise, so a signal at any point unwinds through the cleanup in _launch.
+    previous = {signum: signal.signal(signum, _raise_signalled) for signum in _STOP_SIGNALS}
+    try:
+        return _launch(options, command)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _launch(options, command: list[str]) -> int:
+    try:
+        with LocalCluster(options.workers, options.ps, startup_timeout=options.startup_timeout,
+                          quiet=not options.verbose) as local:
+            _report_ready(local, command)
+            try:
+                return _run_chief(command, local.chief_environ())
+            finally:
+                # Teardown is bounded (SIGTERM, then SIGKILL); another Ctrl-C must not cut it.
+                for signum in _STOP_SIGNALS:
+                    signal.signal(signum, signal.SIG_IGN)
+    except _Signalled as signalled:
+        return 128 + signalled.signum
+    except (ServerStartError, cluster_lib.TaskUnreachableError) as e:
+        print(f"{_PREFIX} the cluster did not start: {e}", file=sys.stderr)
+        return 1
+
+
+def _run_chief(command: list[str], environ: dict[str, str]) -> int:
+    try:
+        # Same process group as the launcher, so a Ctrl-C in the terminal reaches it directly.
+        chief = subprocess.Popen(command, env=environ, preexec_fn=_die_with_parent(signal.SIGTERM))
+    except OSError as e:
+        print(f"{_PREFIX} cannot run {shlex.join(command)}: {e}", file=sys.stderr)
+        return 127
+    try:
+        return _exit_status(chief.wait())
+    except _Signalled as signalled:
+        _stop_chief(chief, signalled.signum)
+        raise
+
+
+def _stop_chief(chief: subprocess.Popen, signum: int) -> None:
+    """Forwards `signum` unless the chief got it too, then kills the chief after 10 s or
+    on a second signal."""
+    if not _sent_by_terminal(signum):
+        chief.send_signal(signum)
+    try:
+        chief.wait(_CHIEF_GRACE)
+    except (subprocess.TimeoutExpired, _Signalled):
+        chief.kill()
+        chief.wait()
+
+
+def _sent_by_terminal(signum: int) -> bool:
+    """Whether `signum` is likely a Ctrl-C typed in the terminal, which the kernel sends to
+    the whole foreground process group, chief included.
+
+    A second SIGINT would cut the chief's own clean-up short. The test: SIGINT while our
+    process group is the terminal's foreground group. A `kill -INT` aimed at a launcher in
+    the foreground is mistaken for Ctrl-C; the chief is then killed after the grace period.
+    """
+    if signum != signal.SIGINT:
+        return False
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal: nothing typed can have reached the chief
+        return False
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(tty)
+
+
+def _report_ready(local: LocalCluster, command: list[str]) -> None:
+    workers = f"{local.workers} worker{'s' if local.workers != 1 else ''}"
+    print(f"{_PREFIX} {workers} + {local.ps} ps on {local.host} ready in "
+          f"{local.startup_seconds:.1f} s; running: {shlex.join(command)}",
+          file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybrid_strategy.launch",
+        description="Start worker and ps servers on this machine, run COMMAND as the chief "
+                    "with TF_CONFIG set, then stop the servers. Exits with COMMAND's exit code.",
+        usage="%(prog)s [--workers N] [--ps N] [--startup-timeout S] [--verbose] -- COMMAND ...",
+        epilog="example: %(prog)s --workers 2 --ps 1 -- python train.py --epochs 3",
+    )
+    parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
+    parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
+    parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
+                        help="seconds to wait for every server to accept connections (default 60)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="let the servers' output through and list their pids")
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]):
+    split = argv.index("--") if "--" in argv else len(argv)
+    options = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if not command:
+        parser.error("give the chief's command after '--', e.g. -- python train.py")
+    if options.workers < 1:
+        parser.error(f"--workers must be at least 1, got {options.workers}")
+    if options.ps < 0:
+        parser.error(f"--ps must be 0 or more, got {options.ps}")
+    if options.startup_timeout <= 0:
+        parser.error(f"--startup-timeout must be a positive number of seconds, "
+                     f"got {options.startup_timeout:g}")
+    return options, command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Tests of the launcher and the server entry point, with real processes.
+
+Each cluster start costs a few seconds (every server imports TensorFlow), so one launcher
+run is shared by the tests that only inspect its result. The chief scripts report the
+server pids from HYBRID_STRATEGY_SERVER_PIDS, which the launcher sets for the chief.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybrid_strategy import cluster, launch, server
+from hybrid_strategy.launch import LocalCluster
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+# A chief that prints what it was given as one JSON line.
+REPORT = (
+    "import json, os, sys\n"
+    "print(json.dumps({'tf_config': json.loads(os.environ['TF_CONFIG']), 'pid': os.getpid(),\n"
+    f"  'servers': [int(p) for p in os.environ[{launch.SERVER_PIDS_ENV!r}].split(',')]}}),\n"
+    "  flush=True)\n"
+)
+
+
+def launcher_command(chief_code, workers=1, ps=1):
+    return [sys.executable, "-m", "hybrid_strategy.launch", "--workers", str(workers),
+            "--ps", str(ps), "--", sys.executable, "-c", chief_code]
+
+
+def run_launcher(chief_code):
+    run = subprocess.run(launcher_command(chief_code), env=ENV, cwd=REPO, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    return run, json.loads(run.stdout.splitlines()[0])
+
+
+def gone(pid):
+    """True once `pid` is no process, or only a zombie (exited, its parent not yet reaping)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.split()[:2] == ["State:", "Z"] for line in status)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def exit_3():
+    """One launcher run whose chief reports and exits with code 3."""
+    return run_launcher(REPORT + "sys.exit(3)")
+
+
+def test_cli_passes_the_chief_exit_code_through(exit_3):
+    run, _ = exit_3
+    assert run.returncode == 3, run.stderr
+
+
+def test_cli_gives_the_chief_its_tf_config(exit_3):
+    _, report = exit_3
+    config = report["tf_config"]
+    assert config["task"] == {"type": "chief", "index": 0}
+    assert {job: len(tasks) for job, tasks in config["cluster"].items()} == {
+        "chief": 1, "worker": 1, "ps": 1}
+
+
+def test_cli_reports_ready_and_leaves_no_server(exit_3):
+    run, report = exit_3
+    assert "hybrid_strategy.launch: 1 worker + 1 ps on 127.0.0.1 ready in" in run.stderr
+    assert len(report["servers"]) == 2
+    assert all(gone(pid) for pid in report["servers"])
+
+
+def test_cli_passes_a_chief_crash_through_and_leaves_no_server():
+    run, report = run_launcher(REPORT + "raise RuntimeError('chief failed on purpose')")
+    assert run.returncode == 1
+    assert "RuntimeError: chief failed on purpose" in run.stderr
+    assert all(gone(pid) for pid in report["servers"] + [report["pid"]])
+
+
+def test_cli_sigint_stops_chief_and_servers():
+    launcher = subprocess.Popen(
+        launcher_command(REPORT + "import time\ntime.sleep(120)"), env=ENV, cwd=REPO,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # so the signal reaches the launcher only
+    try:
+        report = json.loads(read_line(launcher.stdout, timeout=60))
+        signalled = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=15)
+        assert launcher.returncode == 130, stderr
+        assert time.monotonic() - signalled < 5
+        assert all(gone(pid) for pid in report["servers"] + [report["pid"]])
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def read_line(stream, timeout):
+    ready, _, _ = select.select([stream], [], [], timeout)
+    assert ready, f"no output within {timeout} s"
+    return stream.readline()
+
+
+def test_local_cluster_serves_inside_and_stops_after():
+    with LocalCluster(workers=1, ps=1) as local:
+        assert (local.config.num_workers, local.config.num_ps) == (1, 1)
+        cluster.wait_for_tasks(local.config, timeout=1)
+        assert not any(gone(pid) for pid in local.pids)
+        chief = cluster.parse_tf_config(local.chief_environ({})["TF_CONFIG"])
+        assert (chief.task_type, chief.task_index) == ("chief", 0)
+        assert local.chief_environ({})[launch.SERVER_PIDS_ENV] == ",".join(map(str, local.pids))
+    assert [p.returncode for p in local.processes] == [0, 0]  # SIGTERM is a clean exit
+    assert all(gone(pid) for pid in local.pids)
+
+
+def test_local_cluster_reports_a_server_that_dies_at_start():
+    # A Python that cannot find its standard library exits at once with code 1.
+    local = LocalCluster(workers=1, ps=0, env={"PYTHONHOME": "/nonexistent"}, startup_timeout=30)
+    started = time.monotonic()
+    with pytest.raises(launch.ServerStartError,
+                       match=r"server /job:worker/task:0 \(pid \d+\) exited with code 1 while "
+                             r"the cluster was starting; run with quiet=False"):
+        local.start()
+    assert time.monotonic() - started < 5
+    assert all(gone(pid) for pid in local.pids)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"workers": 0}, "workers must be an integer >= 1, got 0"),
+    ({"ps": -1}, "ps must be an integer >= 0, got -1"),
+    ({"startup_timeout": 0}, "startup_timeout must be a positive number"),
+])
+def test_local_cluster_checks_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalCluster(**kwargs)
+
+
+def test_local_cluster_must_be_started_before_use():
+    with pytest.raises(RuntimeError, match="not started"):
+        LocalCluster().chief_tf_config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "1"], "give the chief's command after '--'"),
+    (["--workers", "1", "--"], "give the chief's command after '--'"),
+    (["--workers", "0", "--", "true"], "--workers must be at least 1, got 0"),
+    (["--ps", "-1", "--", "true"], "--ps must be 0 or more, got -1"),
+    (["--startup-timeout", "0", "--", "true"], "--startup-timeout must be a positive number"),
+])
+def test_cli_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_server_exits_2_on_a_malformed_tf_config():
+    run = subprocess.run([sys.executable, "-m", "hybrid_strategy.server"],
+                         env=dict(ENV, TF_CONFIG="{not json"), cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "hybrid_strategy.server: TF_CONFIG is not valid JSON" in run.stderr
+
+
+@pytest.mark.parametrize("tf_config, message", [
+    ("", "TF_CONFIG is not set; set it to the cluster and this process's task"),
+    (json.dumps({"cluster": {"chief": ["127.0.0.1:2220"]}, "task": {"type": "chief", "index": 0}}),
+     'TF_CONFIG names task "chief" 0, but only worker and ps tasks run this server'),
+    (json.dumps({"cluster": {"worker": ["127.0.0.1:2221"]}, "task": {"type": "ps", "index": 0}}),
+     "task type 'ps' is not a job of the cluster"),
+])
+def test_server_main_rejects_a_bad_task(tf_config, message, monkeypatch, capsys):
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    assert server.main([]) == 2
+    assert message in capsys.readouterr().err
