@@ -1,14 +1,17 @@
-"""Sparse gradient aggregation: per-worker local sums, then one sum on the PS.
+"""Sparse gradient aggregation: per-worker local sums, then one sum per shard on its PS.
 
 Dense gradients take TensorFlow's collective all-reduce (see the strategy); this
 module holds what TensorFlow has no op for: summing `tf.IndexedSlices` the
 Parallax way. Each worker first merges its replicas' slices (duplicate rows summed
-once), so only its distinct rows cross the network; the PS that holds the table
-then sums the workers' partial sums, again merging duplicate rows, so the
-optimizer sees each row once, exactly as a dense gradient would give it.
+once) and splits them by shard, so only its distinct rows cross the network, each
+to the PS that holds it; that PS then sums the workers' parts, again merging
+duplicate rows, so the optimizer sees each row once, exactly as a dense gradient
+would give it.
 
 ```python
 import tensorflow as tf
+
+from hybrid_strategy import table as table_lib
 from hybrid_strategy import communication
 g = tf.IndexedSlices(tf.ones((3, 2)), tf.constant([4, 1, 4]), tf.constant([5, 2]))
 print(communication.merge_duplicates(g).indices)   # [4 1]; row 4 summed twice
@@ -18,6 +21,8 @@ print(communication.merge_duplicates(g).indices)   # [4 1]; row 4 summed twice
 import collections
 
 import tensorflow as tf
+
+from hybrid_strategy import table as table_lib
 
 
 def merge_duplicates(slices):
@@ -43,25 +48,41 @@ def host_of(device):
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
-def sum_sparse(replica_slices, replica_devices, device, scale=None):
-    """Sums per-replica `IndexedSlices` into one `IndexedSlices` placed on `device`.
+def sum_sparse(replica_slices, replica_devices, table):
+    """Sums per-replica `IndexedSlices` of `table` into one sum per shard, on its PS.
+
+    Each worker merges its replicas' rows first and splits them by shard; each
+    shard's PS then sums the workers' parts. Returns one `IndexedSlices` per
+    shard, with row ids local to the shard.
 
     Args:
-        replica_slices: One `IndexedSlices` per replica.
+        replica_slices: One table-wide `IndexedSlices` per replica.
         replica_devices: The device each replica runs on (same order).
-        device: Where the sum is needed (the PS holding the table).
-        scale: Optional factor applied to the summed values (1/N for a mean).
+        table: The `ShardedTable` the gradients belong to.
     """
     by_host = collections.OrderedDict()
     for slices, replica_device in zip(replica_slices, replica_devices):
         by_host.setdefault(host_of(replica_device), []).append(slices)
-    partial_sums = []
+    parts_by_shard = [[] for _ in table.shards]
     for host, host_slices in by_host.items():
         with tf.device(host), tf.name_scope("local_aggregation"):
-            partial_sums.append(merge_duplicates(concat_slices(host_slices)))
-    with tf.device(device), tf.name_scope("ps_aggregation"):
-        total = merge_duplicates(concat_slices(partial_sums))
-        if scale is not None:
-            total = tf.IndexedSlices(total.values * scale, total.indices,
-                                     total.dense_shape)
-    return total
+            merged = merge_duplicates(concat_slices(host_slices))
+            for k, part in enumerate(table_lib.split_slices(merged, table.offsets)):
+                parts_by_shard[k].append(part)
+    sums = []
+    for shard, parts in zip(table.shards, parts_by_shard):
+        with tf.device(shard.device), tf.name_scope("ps_aggregation"):
+            sums.append(merge_duplicates(concat_slices(parts)))
+    return sums
+
+
+def join_shards(shard_slices, table):
+    """One table-wide `IndexedSlices` from per-shard sums (global row ids)."""
+    if len(shard_slices) == 1:
+        part = shard_slices[0]
+        return tf.IndexedSlices(part.values, part.indices, table.shape)
+    return tf.IndexedSlices(
+        tf.concat([s.values for s in shard_slices], 0),
+        tf.concat([s.indices + tf.cast(start, s.indices.dtype)
+                   for s, start in zip(shard_slices, table.offsets)], 0),
+        table.shape)

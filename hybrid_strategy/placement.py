@@ -8,7 +8,8 @@ a `PlacementPolicy` for a `Placement`; the policy keeps every decision in a
 ```python
 policy = PlacementPolicy("hybrid", num_ps=2)
 info = VariableInfo("embedding/embeddings", (50_000, 64), 4, ("Embedding", "Layer"))
-print(policy.decide(info))   # Placement(kind='ps', ps_task=0)
+print(policy.decide(info))   # 2 shards on ps: 12.8 MB is split over both tasks
+print(policy.plan)
 ```
 """
 
@@ -20,6 +21,9 @@ ARCHITECTURES = ("hybrid", "allreduce", "ps")
 MIRRORED = "mirrored"
 PS = "ps"
 PLACEMENT_KINDS = (MIRRORED, PS)
+
+# Tables smaller than two of these stay whole on one PS task.
+DEFAULT_MIN_SHARD_BYTES = 1 << 20
 
 # Layer classes whose weights are read by row (their gradients are IndexedSlices).
 SPARSE_LAYER_CLASSES = ("Embedding",)
@@ -51,16 +55,39 @@ class VariableInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rows `[start, stop)` of a PS table, on PS task `task` (None: the local CPU)."""
+
+    task: int | None
+    start: int
+    stop: int
+
+    @property
+    def rows(self):
+        return self.stop - self.start
+
+    @property
+    def device_name(self):
+        return "ps (local CPU)" if self.task is None else f"/job:ps/task:{self.task}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one variable lives: `kind` is "mirrored" or "ps"; `ps_task` for "ps"."""
+    """Where one variable lives: "mirrored", or "ps" split into `shards` by rows."""
 
     kind: str
-    ps_task: int | None = None
+    shards: tuple = ()
+
+    @property
+    def ps_tasks(self):
+        return tuple(shard.task for shard in self.shards)
 
     def __str__(self):
         if self.kind == MIRRORED:
             return MIRRORED
-        return "ps (local CPU)" if self.ps_task is None else f"/job:ps/task:{self.ps_task}"
+        if len(self.shards) == 1:
+            return self.shards[0].device_name
+        return f"{len(self.shards)} shards on ps"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,22 +125,55 @@ class PlacementPlan:
     def bytes_per_ps_task(self, num_ps):
         totals = [0] * num_ps
         for record in self:
-            if record.placement.ps_task is not None:
-                totals[record.placement.ps_task] += record.nbytes
+            row_bytes = record.nbytes // max(record.shape[0], 1) if record.shape else 0
+            for shard in record.placement.shards:
+                if shard.task is not None:
+                    totals[shard.task] += shard.rows * row_bytes
         return totals
 
     def __str__(self):
         rows = [("variable", "shape", "bytes", "placement", "why")]
-        rows += [
-            (r.path, "x".join(str(d) for d in r.shape) or "scalar",
-             f"{r.nbytes:,}", str(r.placement), r.reason)
-            for r in self
-        ]
+        for r in self:
+            rows.append((r.path, _shape_text(r.shape), f"{r.nbytes:,}",
+                         str(r.placement), r.reason))
+            if len(r.placement.shards) > 1:
+                row_bytes = r.nbytes // max(r.shape[0], 1)
+                rows += [(f"  shard {k}", _shape_text((s.rows,) + tuple(r.shape[1:])),
+                          f"{s.rows * row_bytes:,}", s.device_name,
+                          f"rows {s.start}-{s.stop - 1}")
+                         for k, s in enumerate(r.placement.shards)]
         widths = [max(len(row[i]) for row in rows) for i in range(5)]
         return "\n".join(
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
             for row in rows
         )
+
+
+def _matches(path, pattern):
+    """A pattern matches a variable path or its layer name (the first component)."""
+    return (fnmatch.fnmatchcase(path, pattern)
+            or fnmatch.fnmatchcase(path.split("/", 1)[0], pattern))
+
+
+def validate_table_shards(table_shards):
+    """Checks a `{pattern: number of shards}` mapping; returns it as a dict."""
+    if table_shards is None:
+        return {}
+    if not isinstance(table_shards, dict):
+        raise TypeError(
+            "table_shards must be a dict mapping a table path pattern to a number of "
+            f'shards, e.g. {{"words/embeddings": 4}}; got {type(table_shards).__name__}.')
+    for pattern, count in table_shards.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"table_shards key {pattern!r} must be a non-empty string.")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(
+                f"table_shards[{pattern!r}] is {count!r}; use a whole number >= 1.")
+    return dict(table_shards)
+
+
+def _shape_text(shape):
+    return "x".join(str(d) for d in shape) or "scalar"
 
 
 def validate_overrides(overrides):
@@ -149,18 +209,25 @@ class PlacementPolicy:
       2. `architecture="allreduce"`: mirrored; `"ps"`: every layer weight on a PS;
       3. `"hybrid"`: weights of Embedding layers (and subclasses) on a PS,
          everything else mirrored.
-    PS variables go whole to the task holding the fewest bytes so far (greedy
-    by size, as Parallax balances its servers). Non-layer variables (optimizer
-    counters, metrics) are always mirrored and left out of the plan. Without PS
-    tasks (single machine), "ps" variables live on the local CPU (`ps_task=None`).
+    A PS variable is split by contiguous row ranges into
+    `min(num_ps, bytes // min_shard_bytes)` shards (at least one), or the number
+    `table_shards` gives for it; each shard goes to the PS task holding the
+    fewest bytes so far, a table's shards to distinct tasks while there are
+    enough (greedy by size, as Parallax balances its servers). Non-layer
+    variables (optimizer counters, metrics) are always mirrored and left out of
+    the plan. Without PS tasks (single machine), "ps" variables live whole on the
+    local CPU (shard task None).
 
     Args:
         architecture: "hybrid", "allreduce" or "ps".
         num_ps: Number of PS tasks (0 or more).
         overrides: `{fnmatch pattern: "ps" | "mirrored"}` over variable paths.
+        min_shard_bytes: Smallest shard the default split makes (bytes).
+        table_shards: `{fnmatch pattern: number of shards}` for chosen tables.
     """
 
-    def __init__(self, architecture="hybrid", num_ps=1, overrides=None):
+    def __init__(self, architecture="hybrid", num_ps=1, overrides=None,
+                 min_shard_bytes=DEFAULT_MIN_SHARD_BYTES, table_shards=None):
         if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architecture={architecture!r} is not supported; use one of "
@@ -168,32 +235,53 @@ class PlacementPolicy:
             )
         if not isinstance(num_ps, int) or num_ps < 0:
             raise ValueError(f"num_ps must be an int >= 0, got {num_ps!r}.")
+        if not isinstance(min_shard_bytes, int) or min_shard_bytes < 1:
+            raise ValueError(
+                f"min_shard_bytes must be a positive int (bytes), got {min_shard_bytes!r}.")
         self.architecture = architecture
         self.num_ps = num_ps
         self.overrides = validate_overrides(overrides)
+        self.min_shard_bytes = min_shard_bytes
+        self.table_shards = validate_table_shards(table_shards)
         self.plan = PlacementPlan()
         self._ps_bytes = [0] * num_ps
 
     def decide(self, info):
         """Returns the `Placement` of `info` and records it in `self.plan`."""
         kind, reason = self._kind(info)
-        if kind == PS and self.num_ps:
-            task = min(range(self.num_ps), key=self._ps_bytes.__getitem__)
-            self._ps_bytes[task] += info.nbytes
-            placement = Placement(PS, task)
-        else:
-            placement = Placement(kind)
-        if not info.layer_classes:
-            return placement
-        self.plan.add(PlacementRecord(info.path, tuple(info.shape), info.nbytes,
-                                      placement, reason))
+        placement = Placement(kind, self._shards(info) if kind == PS else ())
+        if info.layer_classes:
+            self.plan.add(PlacementRecord(info.path, tuple(info.shape), info.nbytes,
+                                          placement, reason))
         return placement
 
+    def _shards(self, info):
+        rows = int(info.shape[0]) if info.shape else 1
+        if not self.num_ps:
+            return (Shard(None, 0, rows),)
+        count = self._shard_count(info, rows)
+        row_bytes = info.nbytes // max(rows, 1)
+        shards, start, used = [], 0, set()
+        for k in range(count):
+            size = rows // count + (1 if k < rows % count else 0)
+            free = [t for t in range(self.num_ps) if t not in used] or range(self.num_ps)
+            task = min(free, key=self._ps_bytes.__getitem__)
+            used.add(task)
+            self._ps_bytes[task] += size * row_bytes
+            shards.append(Shard(task, start, start + size))
+            start += size
+        return tuple(shards)
+
+    def _shard_count(self, info, rows):
+        for pattern, count in self.table_shards.items():
+            if _matches(info.path, pattern):
+                return max(1, min(count, rows))
+        by_size = info.nbytes // self.min_shard_bytes
+        return max(1, min(self.num_ps, by_size, rows))
+
     def _kind(self, info):
-        layer_name = info.path.split("/", 1)[0]
         for pattern, kind in self.overrides.items():
-            if fnmatch.fnmatchcase(info.path, pattern) or fnmatch.fnmatchcase(
-                    layer_name, pattern):
+            if _matches(info.path, pattern):
                 return kind, f"override {pattern!r}"
         if not info.layer_classes:
             return MIRRORED, "not a layer weight"

@@ -533,7 +533,7 @@ def _variable_index(optimizer, variable, flavour):
     try:
         if flavour == _KERAS:
             return optimizer._get_variable_index(variable)
-        return optimizer._index_dict[optimizer._var_key(_tf_variable(variable))]
+        return optimizer._index_dict[optimizer._var_key(variable)]
     except (KeyError, AttributeError) as e:
         raise ValueError(
             f"{type(optimizer).__name__} has no slots for {getattr(variable, 'name', variable)!r}:"

@@ -38,6 +38,7 @@ from tensorflow.python.distribute import values as values_lib
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import placement as placement_lib
+from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
 
 _LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -81,6 +82,15 @@ class HybridStrategy(tf.distribute.Strategy):
             be compared.
         placement_overrides: `{pattern: "ps" | "mirrored"}`; a pattern (fnmatch)
             matches a variable path "layer_name/variable_name" or a layer name.
+        min_shard_bytes: A PS table is split by rows over up to every PS task, in
+            shards of at least this many bytes (default 1 MiB): smaller tables stay
+            whole on one task.
+        table_shards: `{pattern: number of shards}` for chosen tables.
+        sparse_update: How PS tables apply optimizers whose dense form also moves
+            rows without gradient (SGD with momentum, Adam, RMSprop): "lazy"
+            (default: only the step's rows and their slots change, so a step costs
+            the same whatever the table size) or "exact" (every row, identical to
+            single-device training). SGD and Adagrad are exact either way.
         devices: Single-machine mode only: the local devices to replicate over
             (default: every GPU, else the CPU).
         communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -89,7 +99,8 @@ class HybridStrategy(tf.distribute.Strategy):
     """
 
     def __init__(self, cluster_resolver=None, *, architecture="hybrid",
-                 placement_overrides=None, devices=None,
+                 placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
+                 table_shards=None, sparse_update="lazy", devices=None,
                  communication_options=None, connect_timeout=60.0):
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
@@ -100,7 +111,8 @@ class HybridStrategy(tf.distribute.Strategy):
         self._collective_key_base = next(_collective_key_bases)
         extended = HybridExtended(
             self, config, architecture=architecture,
-            placement_overrides=placement_overrides, devices=devices,
+            placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
+            table_shards=table_shards, sparse_update=sparse_update, devices=devices,
             communication_options=communication_options,
             connect_timeout=connect_timeout)
         super().__init__(extended)
@@ -134,8 +146,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     """The strategy's implementation: placement, sparse aggregation, PS updates."""
 
     def __init__(self, container_strategy, config, *, architecture,
-                 placement_overrides, devices, communication_options,
-                 connect_timeout):
+                 placement_overrides, min_shard_bytes, table_shards, sparse_update,
+                 devices, communication_options, connect_timeout):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -155,7 +167,12 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             worker_devices, ps_devices = _connect(config, connect_timeout)
             num_ps = config.num_ps
         self.policy = placement_lib.PlacementPolicy(
-            architecture, num_ps=num_ps, overrides=placement_overrides)
+            architecture, num_ps=num_ps, overrides=placement_overrides,
+            min_shard_bytes=min_shard_bytes, table_shards=table_shards)
+        if sparse_update not in sparse_optimizers.MODES:
+            raise ValueError(f"sparse_update={sparse_update!r}; use one of "
+                             f"{sparse_optimizers.MODES}.")
+        self.sparse_update = sparse_update
         self._ps_devices = ps_devices
         self._devices = tuple(worker_devices)
         hosts = {}
@@ -185,27 +202,47 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
+        context = _creation_context()
         if table_lib.is_table(colocate_with):
-            # An optimizer slot of a PS table: it lives beside the table.
+            # An optimizer slot of a PS table: sharded exactly like the table.
             kwargs.pop("colocate_with")
-            path = f"{table_lib.path_of(colocate_with)}/{kwargs.get('name') or 'slot'}"
-            return self._create_table(next_creator, colocate_with.device, path, kwargs)
-        info = _describe_variable(kwargs) if colocate_with is None else None
+            path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
+            layout = [(shard.device, start, stop) for shard, start, stop in
+                      zip(colocate_with.shards, colocate_with.offsets,
+                          colocate_with.offsets[1:])]
+            return self._create_table(next_creator, kwargs, path, colocate_with.shape,
+                                      layout, context.initializer)
+        info = _describe_variable(kwargs, context) if colocate_with is None else None
         if info is not None:
             decided = self.policy.decide(info)
             if decided.kind == placement_lib.PS:
-                device = self._ps_devices[decided.ps_task or 0]
-                return self._create_table(next_creator, device, info.path, kwargs)
+                layout = [(self._ps_devices[shard.task or 0], shard.start, shard.stop)
+                          for shard in decided.shards]
+                return self._create_table(next_creator, kwargs, info.path, info.shape,
+                                          layout, context.initializer)
         variable = super()._create_variable(next_creator, **kwargs)
         if info is not None:
             self._variable_paths[variable.ref()] = info.path
         return variable
 
-    def _create_table(self, next_creator, device, path, kwargs):
-        with tf.device(device):
-            variable = next_creator(**kwargs)
-        table_lib.mark(variable, path)
-        return variable
+    def _create_table(self, next_creator, kwargs, path, shape, layout, initializer):
+        """One shard variable per (device, start, stop) of `layout`, as a ShardedTable."""
+        dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+        initial_values = table_lib.shard_initial_values(
+            kwargs["initial_value"], initializer, shape, dtype,
+            [(start, stop) for _, start, stop in layout])
+        name = kwargs.get("name") or path.rsplit("/", 1)[-1]
+        shards = []
+        for k, ((device, start, stop), initial_value) in enumerate(
+                zip(layout, initial_values)):
+            shard_kwargs = dict(kwargs, initial_value=initial_value,
+                                name=f"{name}/part_{k}" if len(layout) > 1 else name)
+            if shard_kwargs.get("shape") is not None:
+                shard_kwargs["shape"] = tf.TensorShape([stop - start]).concatenate(
+                    tf.TensorShape(shape)[1:])
+            with tf.device(device):
+                shards.append(next_creator(**shard_kwargs))
+        return table_lib.ShardedTable(shards, path, name=name)
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):
@@ -229,12 +266,17 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             if table is None:
                 collective.append(i)
                 continue
-            scale = (1.0 / self._num_replicas_in_sync
-                     if reduce_op == tf.distribute.ReduceOp.MEAN else None)
-            total = communication.sum_sparse(
-                _components(value), self._devices, table.device, scale=scale)
+            sums = communication.sum_sparse(_components(value), self._devices, table)
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                sums = [tf.IndexedSlices(s.values / self._num_replicas_in_sync,
+                                         s.indices, s.dense_shape) for s in sums]
+            # The table-wide sum is what all_reduce promises; the update uses the
+            # per-shard sums where they are, so the joined one is built only if
+            # something else reads it.
+            total = communication.join_shards(sums, table)
+            total._hybrid_shard_sums = sums
             results[i] = values_lib.Mirrored((total,) * self._num_replicas_in_sync)
-            self.ps_aggregated.add(table_lib.path_of(table))
+            self.ps_aggregated.add(table.path)
         if collective:
             reduced = super()._batch_reduce_to(
                 reduce_op, [value_destination_pairs[i] for i in collective], options)
@@ -246,13 +288,35 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def _update(self, var, fn, args, kwargs, group):
         self._note_gradient_type(var, args)
-        if isinstance(var, values_lib.DistributedVariable):
-            return super()._update(var, fn, args, kwargs, group)
-        # A PS table: one update, on its own device, with the summed gradient.
-        with tf.device(var.device), distribute_lib.UpdateContext(0), \
-                tf.name_scope("ps_update"):
-            result = fn(var, *distribute_utils.select_replica(0, args),
-                        **distribute_utils.select_replica(0, kwargs))
+        if table_lib.is_table(var):
+            return self._update_table(var, fn, args, kwargs, group)
+        return super()._update(var, fn, args, kwargs, group)
+
+    def _update_table(self, table, fn, args, kwargs, group):
+        """Applies an optimizer step shard by shard, each on its PS, row-sparse.
+
+        Other updates (assignments, weight decay) run `fn` on the table itself,
+        whose methods write each shard on its own device.
+        """
+        args = distribute_utils.select_replica(0, args)
+        kwargs = distribute_utils.select_replica(0, kwargs)
+        optimizer = _optimizer_of(fn)
+        grad = args[0] if args else None
+        with distribute_lib.UpdateContext(0):
+            if optimizer is None or not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+                result = fn(table, *args, **kwargs)
+            else:
+                updater = sparse_optimizers.row_updater(optimizer)
+                slots = {name: _table_of(slot) for name, slot
+                         in updater.slots(optimizer, table).items()}
+                updates = []
+                for k, part in enumerate(_shard_gradients(grad, table)):
+                    with tf.device(table.shards[k].device), tf.name_scope(f"ps_update_{k}"):
+                        updates.append(updater.apply(
+                            optimizer, table.shards[k],
+                            {name: slot.shards[k] for name, slot in slots.items()},
+                            part, mode=self.sparse_update))
+                result = tf.group(updates)
         return distribute_utils.update_regroup(self, [result], group)
 
     def _note_gradient_type(self, var, args):
@@ -264,7 +328,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         if not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
             return
         if table_lib.is_table(var):
-            path, kind = table_lib.path_of(var), placement_lib.PS
+            path, kind = var.path, placement_lib.PS
         else:
             path, kind = self._variable_paths.get(var.ref()), placement_lib.MIRRORED
         if path is None or path in self.gradient_types:
@@ -310,28 +374,54 @@ def _merge_duplicate_rows(value):
     return values_lib.Mirrored(tuple(merged))
 
 
-def _describe_variable(kwargs):
-    """Describes the variable being created from the layer building it."""
-    layer, name, shape = _building_layer()
-    if layer is None:
-        return placement_lib.VariableInfo(
-            path=str(kwargs.get("name") or "variable"), shape=(), itemsize=0,
-            trainable=bool(kwargs.get("trainable", True)))
-    dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
-    classes = tuple(c.__name__ for c in type(layer).__mro__)
-    return placement_lib.VariableInfo(
-        path=f"{layer.name}/{name or kwargs.get('name')}",
-        shape=tuple(int(d) for d in tf.TensorShape(shape).as_list()),
-        itemsize=dtype.size, layer_classes=classes,
-        trainable=bool(kwargs.get("trainable", True)))
+def _shard_gradients(grad, table):
+    """The step's gradient of `table`, one part per shard with shard-local rows."""
+    sums = getattr(grad, "_hybrid_shard_sums", None)
+    if sums is not None:
+        return sums
+    if isinstance(grad, tf.IndexedSlices):
+        return table_lib.split_slices(communication.merge_duplicates(grad), table.offsets)
+    return table_lib.split_dense(grad, table.offsets)
 
 
-def _building_layer(max_depth=40):
-    """Finds the innermost `Layer.add_weight` call on the stack: (layer, name, shape).
+def _table_of(slot):
+    """Keras 3 wraps the slot's ShardedTable in a keras.Variable; tf_keras does not."""
+    return slot if table_lib.is_table(slot) else slot.value
 
-    Keras 3 and tf_keras both create layer weights through `add_weight(self, ...)`;
-    reading its frame tells the layer and the weight's declared shape without
-    relying on variable names.
+
+def _optimizer_of(fn):
+    """The optimizer whose update `fn` is: Keras and tf_keras pass a closure over it."""
+    fn = inspect.unwrap(fn)  # merge_call wraps it for autograph
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            candidate = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if hasattr(candidate, "iterations") and hasattr(candidate, "apply_gradients"):
+            return candidate
+    return None
+
+
+class _CreationContext(tuple):
+    """(owner, name, shape, initializer, is_layer) of the variable being created."""
+
+    __slots__ = ()
+    owner = property(lambda self: self[0])
+    name = property(lambda self: self[1])
+    shape = property(lambda self: self[2])
+    initializer = property(lambda self: self[3])
+    is_layer = property(lambda self: self[4])
+
+
+_NO_CONTEXT = _CreationContext((None, None, None, None, False))
+
+
+def _creation_context(max_depth=40):
+    """Reads the innermost `add_weight` / `add_variable` call on the stack.
+
+    Keras 3 and tf_keras layers create weights through `Layer.add_weight(self, ...)`,
+    and Keras 3 optimizers their slots through `add_variable`: their frames tell
+    the layer, the declared shape and the initializer, without relying on names.
     """
     frame = inspect.currentframe()
     try:
@@ -339,15 +429,35 @@ def _building_layer(max_depth=40):
             frame = frame.f_back
             if frame is None:
                 break
-            if frame.f_code.co_name != "add_weight":
+            if frame.f_code.co_name not in ("add_weight", "add_variable"):
                 continue
             local = frame.f_locals
-            layer = local.get("self")
-            if layer is not None and hasattr(layer, "add_weight"):
-                return layer, local.get("name"), local.get("shape") or ()
-        return None, None, None
+            owner = local.get("self")
+            # tf_keras metrics are layers too, but their weights are counters.
+            is_layer = (frame.f_code.co_name == "add_weight"
+                        and hasattr(owner, "add_weight")
+                        and "Metric" not in {c.__name__ for c in type(owner).__mro__})
+            return _CreationContext((owner, local.get("name"), local.get("shape") or (),
+                                     local.get("initializer"), is_layer))
+        return _NO_CONTEXT
     finally:
         del frame
+
+
+def _describe_variable(kwargs, context):
+    """Describes the variable being created from the layer building it."""
+    if not context.is_layer:
+        return placement_lib.VariableInfo(
+            path=str(kwargs.get("name") or "variable"), shape=(), itemsize=0,
+            trainable=bool(kwargs.get("trainable", True)))
+    dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+    layer = context.owner
+    return placement_lib.VariableInfo(
+        path=f"{layer.name}/{context.name or kwargs.get('name')}",
+        shape=tuple(int(d) for d in tf.TensorShape(context.shape).as_list()),
+        itemsize=dtype.size,
+        layer_classes=tuple(c.__name__ for c in type(layer).__mro__),
+        trainable=bool(kwargs.get("trainable", True)))
 
 
 def _local_devices(devices):

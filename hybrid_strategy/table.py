@@ -1,73 +1,374 @@
-"""PS tables: variables that live once on a parameter-server task and are read by row.
+"""PS tables: variables split by rows over parameter-server tasks, read and updated by row.
 
-A PS table is a TensorFlow resource variable created on a PS device and tagged here.
-Looking rows up in it (`lookup`) deduplicates the ids on the worker, gathers only
-those rows on the PS that holds the table, and expands them back on the worker, so
-each distinct row crosses the network once per replica and step. The unique ids
-are remembered per graph so that the strategy can recognise the table's gradient
-(`table_of_gradient`) and send it to the table's PS instead of all-reducing it.
+A `ShardedTable` holds one TensorFlow resource variable per contiguous row range,
+each on the PS device `placement` chose for it. It stands in for the variable that
+Keras (3 or tf_keras) asked for:
 
-Keras 3 reads embeddings with `ops.take(variable, ids)`, which TensorFlow routes to
-`params.sparse_read(ids)` when the object has one: `install_keras_hook()` gives
-Keras variables that wrap a PS table such a method.
+- `lookup` (reached through `tf.gather`, `tf.nn.embedding_lookup` and Keras 3's
+  `ops.take`) deduplicates the ids on the worker, gathers each shard's rows on its
+  own PS and stitches them back, so each distinct row crosses the network once per
+  replica and step;
+- its gradient is a `tf.IndexedSlices` over the whole table whose indices are the
+  lookup's unique ids; `table_of_gradient` recognises them, so the strategy sends
+  the rows to their shards instead of all-reducing them;
+- reading it whole (a tied output projection, `get_weights()`) concatenates the
+  shards, with a dense gradient.
+
+The gradient reaches the tape through the first shard's handle: tape and Keras
+know a variable by `handle`, and a lookup's custom gradient returns the table-wide
+`IndexedSlices` for it.
 
 ```python
 import tensorflow as tf
 from hybrid_strategy import table
-with tf.device("/device:CPU:0"):
-    v = tf.Variable(tf.reshape(tf.range(12.0), (4, 3)))
-table.mark(v, "emb/embeddings")
-print(table.lookup(v, tf.constant([[3, 1], [3, 3]])))   # rows 3, 1, 3, 3
+shards = [tf.Variable(tf.reshape(tf.range(8.0), (4, 2))), tf.Variable(tf.ones((3, 2)))]
+t = table.ShardedTable(shards, "emb/embeddings")
+print(tf.gather(t, [5, 1, 5]))   # rows 5 (second shard), 1, 5
 ```
 """
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
-_PATH_ATTR = "_hybrid_strategy_table_path"
+# TF-private: `record.stop_recording` keeps the tape from also differentiating the
+# raw per-shard reads inside a lookup (the lookup's custom gradient stands for
+# them); `tape.variable_accessed` tells the tape the table was read, as reads of
+# a tf.Variable do; `dispatch` lets `tf.nn.embedding_lookup` route tables to
+# `lookup` before it would convert them to one dense tensor; gen_resource_variable_ops
+# are the raw per-shard reads.
+from tensorflow.python.eager import record
+from tensorflow.python.eager import tape as tape_lib
+from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.util import dispatch
+
 # graph -> {name of a unique-ids tensor: the table it indexes}
 _LOOKUPS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
 _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
 
 
-def mark(variable, path):
-    """Tags `variable` as a PS table known to users as `path`."""
-    setattr(variable, _PATH_ATTR, path)
+@dispatch.register_dispatchable_type
+class ShardedTable(tf.__internal__.tracking.Trackable):
+    """A variable split by contiguous row ranges into `shards`, one per PS device.
+
+    Args:
+        shards: tf.Variables with the same trailing shape, in row order.
+        path: The name users know the table by, e.g. "embedding/embeddings".
+        name: The variable name Keras asked for (default: the path's last part).
+    """
+
+    _should_act_as_resource_variable = True
+
+    def __init__(self, shards, path, name=None):
+        if not shards:
+            raise ValueError(f"table {path} needs at least one shard.")
+        self.shards = tuple(shards)
+        self.path = path
+        self._name = name or path.rsplit("/", 1)[-1]
+        rows = [int(s.shape[0]) for s in self.shards]
+        self.offsets = tuple(int(x) for x in np.cumsum([0] + rows))
+        self._shape = tf.TensorShape([self.offsets[-1]]).concatenate(self.shards[0].shape[1:])
+
+    # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def dtype(self):
+        return self.shards[0].dtype
+
+    @property
+    def shape(self):
+        return self._shape
+
+    def get_shape(self):
+        return self._shape
+
+    @property
+    def trainable(self):
+        return self.shards[0].trainable
+
+    @property
+    def device(self):
+        return self.shards[0].device
+
+    @property
+    def handle(self):
+        return self.shards[0].handle
+
+    @property
+    def _unique_id(self):
+        return f"table:{self.shards[0]._unique_id}"
+
+    @property
+    def _shared_name(self):
+        return self.path.replace("/", "_")
+
+    @property
+    def synchronization(self):
+        return self.shards[0].synchronization
+
+    @property
+    def aggregation(self):
+        return self.shards[0].aggregation
+
+    @property
+    def _in_graph_mode(self):
+        return False
+
+    @property
+    def constraint(self):
+        return None
+
+    @property
+    def devices(self):
+        return tuple(s.device for s in self.shards)
+
+    def ref(self):
+        return _Ref(self)
+
+    def __repr__(self):
+        return (f"<ShardedTable {self.path} shape={self._shape.as_list()} "
+                f"shards={len(self.shards)}>")
+
+    # Reads -----------------------------------------------------------------
+
+    def sparse_read(self, indices, name=None):
+        return lookup(self, indices, name=name)
+
+    def value(self):
+        return _read_whole(self)
+
+    def read_value(self):
+        return _read_whole(self)
+
+    def numpy(self):
+        return np.concatenate([s.numpy() for s in self.shards], axis=0)
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    # Writes ------------------------------------------------------------------
+
+    def assign(self, value, use_locking=False, name=None, read_value=False):
+        return self._write_rows(value, "assign")
+
+    def assign_add(self, delta, use_locking=False, name=None, read_value=False):
+        return self._write_rows(delta, "assign_add")
+
+    def assign_sub(self, delta, use_locking=False, name=None, read_value=False):
+        return self._write_rows(delta, "assign_sub")
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(sparse_delta, "scatter_update")
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(sparse_delta, "scatter_add")
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(sparse_delta, "scatter_sub")
+
+    def _write_rows(self, value, method):
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        ops = []
+        for shard, part in zip(self.shards, split_dense(value, self.offsets)):
+            with tf.device(shard.device):
+                ops.append(getattr(shard, method)(part, read_value=False))
+        return tf.group(ops)
+
+    def _scatter(self, sparse_delta, method):
+        ops = []
+        for shard, part in zip(self.shards, split_slices(sparse_delta, self.offsets)):
+            with tf.device(shard.device):
+                ops.append(getattr(shard, method)(part))
+        return tf.group(ops)
+
+    # Checkpoints: the whole table under one key, whatever the sharding --------
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": _read_whole(self)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+class _Ref:
+    """Hashable identity for a table, like `tf.Variable.ref()`."""
+
+    def __init__(self, table):
+        self._table = table
+
+    def deref(self):
+        return self._table
+
+    def __hash__(self):
+        return id(self._table)
+
+    def __eq__(self, other):
+        return isinstance(other, _Ref) and other._table is self._table
+
+
+def _to_tensor(table, dtype=None, name=None, as_ref=False):
+    if dtype is not None and not tf.as_dtype(dtype).is_compatible_with(table.dtype):
+        raise ValueError(
+            f"Cannot convert table {table.path} of dtype {table.dtype.name} to "
+            f"{tf.as_dtype(dtype).name}.")
+    return _read_whole(table)
+
+
+tf.register_tensor_conversion_function(ShardedTable, _to_tensor)
 
 
 def is_table(value):
-    return getattr(value, _PATH_ATTR, None) is not None
+    return isinstance(value, ShardedTable)
 
 
-def path_of(variable):
-    return getattr(variable, _PATH_ATTR)
+# Initializers whose values do not depend on the full shape: each shard can draw
+# its own rows directly, on its own PS.
+_ROW_WISE_INITIALIZERS = ("Zeros", "Ones", "Constant", "RandomUniform", "RandomNormal",
+                          "TruncatedNormal")
+
+
+def shard_initial_values(initial_value, initializer, shape, dtype, ranges):
+    """One initial value per shard row range `(start, stop)` of a `shape` table.
+
+    Row-wise initializers run per shard (the full table is never built); anything
+    else is built whole where the shard's variable is created, on its PS, and
+    sliced there, so a worker or the chief never holds the table.
+    """
+    if len(ranges) == 1:
+        return [initial_value]
+    shape = tf.TensorShape(shape)
+    if initializer is not None and type(initializer).__name__ in _ROW_WISE_INITIALIZERS:
+        return [lambda rows=stop - start: initializer(
+                    tf.TensorShape([rows]).concatenate(shape[1:]), dtype=dtype)
+                for start, stop in ranges]
+
+    def rows_of(start, stop):
+        value = initial_value() if callable(initial_value) else initial_value
+        return tf.convert_to_tensor(value, dtype=dtype)[start:stop]
+
+    return [lambda start=start, stop=stop: rows_of(start, stop) for start, stop in ranges]
+
+
+def split_dense(value, offsets):
+    """Splits a dense [rows, ...] tensor into the shards' row ranges."""
+    if len(offsets) == 2:
+        return [value]
+    return tf.split(value, np.diff(offsets).tolist(), axis=0)
+
+
+def shard_of(ids, offsets):
+    """Which shard holds each (global) row id."""
+    boundaries = tf.constant(offsets[1:-1], dtype=ids.dtype)
+    return tf.searchsorted(boundaries, ids, side="right", out_type=tf.int32)
+
+
+def split_slices(slices, offsets):
+    """Splits table-wide `IndexedSlices` into per-shard ones with local row ids."""
+    if len(offsets) == 2:
+        return [slices]
+    num_shards = len(offsets) - 1
+    shard = shard_of(slices.indices, offsets)
+    local = slices.indices - tf.gather(tf.constant(offsets[:-1], slices.indices.dtype), shard)
+    values = tf.dynamic_partition(slices.values, shard, num_shards)
+    indices = tf.dynamic_partition(local, shard, num_shards)
+    return [tf.IndexedSlices(v, i, None) for v, i in zip(values, indices)]
+
+
+def _read_whole(table):
+    """The whole table as one tensor; its gradient flows to the table's handle."""
+
+    @tf.custom_gradient
+    def read(handle):
+        del handle  # the shards are read below; `handle` carries the gradient
+        with record.stop_recording():
+            parts = []
+            for shard in table.shards:
+                with tf.device(shard.device):
+                    parts.append(gen_resource_variable_ops.read_variable_op(
+                        shard.handle, table.dtype))
+            whole = tf.concat(parts, 0) if len(parts) > 1 else tf.identity(parts[0])
+        return whole, lambda dy: dy
+
+    tape_lib.variable_accessed(table)
+    return read(table.handle)
 
 
 def lookup(table, ids, name=None):
-    """Returns `table`'s rows for `ids` (any shape), gathered on the table's device.
+    """Returns `table`'s rows for `ids` (any shape), each gathered on its shard's PS.
 
     Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table.
     """
     with tf.name_scope(name or "hybrid_lookup"):
         ids = tf.convert_to_tensor(ids)
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
-        num_rows = table.shape[0]
-        message = (f"embedding id out of range for table {path_of(table)} "
-                   f"({num_rows} rows): ids must be in [0, {num_rows})")
-        checks = [
-            tf.debugging.assert_non_negative(unique_ids, message=message),
-            tf.debugging.assert_less(unique_ids, tf.cast(num_rows, unique_ids.dtype),
-                                     message=message),
-        ]
-        with tf.control_dependencies(checks):
-            unique_ids = tf.identity(unique_ids)
+        unique_ids = _checked(unique_ids, table)
         _remember(unique_ids, table)
+        num_unique = tf.shape(unique_ids)[0]
+        dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
+
+        @tf.custom_gradient
+        def gather(handle):
+            del handle  # carries the gradient; the shards are read below
+            with record.stop_recording():
+                rows = _gather_rows(table, unique_ids)
+                out = tf.gather(rows, positions)
+
+            def grad(dy):
+                row_grads = tf.math.unsorted_segment_sum(dy, positions, num_unique)
+                return tf.IndexedSlices(row_grads, unique_ids, dense_shape)
+
+            return out, grad
+
+        tape_lib.variable_accessed(table)
+        out = gather(table.handle)
+        return tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0))
+
+
+def _checked(unique_ids, table):
+    num_rows = table.shape[0]
+    message = (f"embedding id out of range for table {table.path} "
+               f"({num_rows} rows): ids must be in [0, {num_rows})")
+    checks = [
+        tf.debugging.assert_non_negative(unique_ids, message=message),
+        tf.debugging.assert_less(unique_ids, tf.cast(num_rows, unique_ids.dtype),
+                                 message=message),
+    ]
+    with tf.control_dependencies(checks):
+        return tf.identity(unique_ids)
+
+
+def _gather_rows(table, unique_ids):
+    """Rows for distinct ids: each shard gathers its own on its PS, in parallel."""
+    if len(table.shards) == 1:
         with tf.device(table.device):
-            rows = table.sparse_read(unique_ids)
-        out = tf.gather(rows, positions)
-        return tf.reshape(out, tf.concat([tf.shape(ids), tf.shape(rows)[1:]], 0))
+            return gen_resource_variable_ops.resource_gather(
+                table.handle, unique_ids, dtype=table.dtype)
+    num_shards = len(table.shards)
+    shard = shard_of(unique_ids, table.offsets)
+    starts = tf.gather(tf.constant(table.offsets[:-1], unique_ids.dtype), shard)
+    local_ids = tf.dynamic_partition(unique_ids - starts, shard, num_shards)
+    positions = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard, num_shards)
+    parts = []
+    for s, ids in zip(table.shards, local_ids):
+        with tf.device(s.device):
+            parts.append(gen_resource_variable_ops.resource_gather(s.handle, ids,
+                                                                   dtype=table.dtype))
+    return tf.dynamic_stitch(positions, parts)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedTable})
+def _embedding_lookup(params, ids, max_norm=None, name=None):
+    if max_norm is not None:
+        raise ValueError(
+            f"embedding_lookup(max_norm=...) is not supported on PS table {params.path}; "
+            "clip the looked-up rows yourself, or place the table 'mirrored'.")
+    return lookup(params, ids, name=name)
 
 
 def _remember(unique_ids, table):
@@ -119,6 +420,6 @@ def install_keras_hook():
         value = getattr(self, "_value", None)
         if not is_table(value):
             raise AttributeError("sparse_read")
-        return lambda indices, name=None: lookup(value, indices, name=name)
+        return value.sparse_read
 
     variable_class.sparse_read = property(sparse_read)

@@ -1,40 +1,62 @@
-"""Training scenarios shared by the tests: models, a distributed run, a reference.
+"""Training scenarios shared by the tests: models, a distributed run, references.
 
-The reference is single-device training written out step by step: the same model,
-initial weights, global batches and optimizer, with each sparse gradient's duplicate
-rows summed first (the exact arithmetic of a dense gradient, which HybridStrategy
-also gives; Keras 3 alone applies duplicate rows one by one, which for Adagrad is
-not the same step). `report()` trains every case and returns what the tests check.
-Run as a script, it prints that report as JSON:
+Each case trains a small Embedding + Dense model for a few global batches under
+HybridStrategy and the same model on one device from the same weights:
+- exact cases: the reference is single-device training with dense gradients (the
+  exact arithmetic; Keras 3 alone applies an `IndexedSlices` row by row, which for
+  Adagrad with repeated ids is not the same step);
+- lazy cases: the reference updates the embedding tables with a numpy lazy rule
+  (only the step's rows and their slots move) and everything else with Keras.
+Works with Keras 3 and, under TF_USE_LEGACY_KERAS=1, with tf_keras (`tf.keras`).
+Run as a script, it prints the report as JSON:
 
-    python -m hybrid_strategy.launch --workers 2 --ps 1 -- python tests/scenario.py
+    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/scenario.py
     python tests/scenario.py --local-replicas 2       # one machine, two CPU replicas
 """
 
+import argparse
 import functools
 import json
 import sys
 import warnings
 
 import numpy as np
+import tensorflow as tf
+
+keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
 VOCAB, SEQ, DIM = 500, 6, 8
 GLOBAL_BATCH, STEPS = 32, 8
 # Not a multiple of GLOBAL_BATCH: the last batch has one example, so one replica
 # of two gets none.
 COUNT_EXAMPLES = 3 * GLOBAL_BATCH + 1
+# Small enough that the scenario's 16 KB tables are split over every PS task.
+MIN_SHARD_BYTES = 1024
 OPTIMIZERS = {
-    "sgd": lambda keras: keras.optimizers.SGD(0.5),
-    "adagrad": lambda keras: keras.optimizers.Adagrad(0.3),
+    "sgd": lambda: keras.optimizers.SGD(0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.3),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    # Adam divides by sqrt(v) + epsilon: with the default 1e-7, rows whose gradient
+    # nearly cancels amplify float summation order into 1e-5 relative differences.
+    "adam": lambda: keras.optimizers.Adam(0.01, epsilon=1e-3),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
 }
-# name -> (optimizer, model variant, placement overrides)
+# name -> (optimizer, model variant, placement overrides, sparse_update)
 CASES = {
-    "sgd": ("sgd", "plain", None),
-    "adagrad": ("adagrad", "plain", None),
-    "two_tables": ("adagrad", "two_tables", None),
-    "tied": ("adagrad", "tied", None),
-    "forced": ("adagrad", "plain", {"embedding": "mirrored", "hidden/kernel": "ps"}),
+    "sgd": ("sgd", "plain", None, "lazy"),
+    "adagrad": ("adagrad", "plain", None, "lazy"),
+    "two_tables": ("adagrad", "two_tables", None, "lazy"),
+    "tied": ("adagrad", "tied", None, "lazy"),
+    "forced": ("adagrad", "plain", {"embedding": "mirrored", "hidden/kernel": "ps"}, "lazy"),
+    "momentum_exact": ("momentum", "plain", None, "exact"),
+    "adam_exact": ("adam", "plain", None, "exact"),
+    "rmsprop_exact": ("rmsprop", "plain", None, "exact"),
+    "momentum_lazy": ("momentum", "plain", None, "lazy"),
+    "adam_lazy": ("adam", "two_tables", None, "lazy"),
+    "rmsprop_lazy": ("rmsprop", "plain", None, "lazy"),
 }
+# SGD without momentum and Adagrad move only rows with gradient: lazy is exact.
+LAZY_IS_EXACT = ("sgd", "adagrad")
 
 
 def make_data(num_examples=GLOBAL_BATCH * STEPS, seed=0):
@@ -46,11 +68,21 @@ def make_data(num_examples=GLOBAL_BATCH * STEPS, seed=0):
     return ids, y
 
 
+class TiedProjection(keras.layers.Layer):
+    """Scores against every embedding row: the table also gets a dense gradient."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        table = tf.convert_to_tensor(self.embedding.embeddings)
+        return tf.matmul(x, table, transpose_b=True) / 10.0
+
+
 def build_model(variant="plain"):
     """Embedding + Dense layers; "tied" also uses the table as an output projection,
     "two_tables" embeds each half of the ids with its own table."""
-    import keras
-
     inputs = keras.Input(shape=(SEQ,), dtype="int32")
     if variant == "two_tables":
         half = SEQ // 2
@@ -67,109 +99,147 @@ def build_model(variant="plain"):
     return keras.Model(inputs, keras.layers.Dense(1, name="out")(x))
 
 
-def _tied_projection_class():
-    import keras
-
-    class TiedProjection(keras.layers.Layer):
-        """Scores against every embedding row: the table gets a dense gradient."""
-
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def call(self, x):
-            table = keras.ops.convert_to_tensor(self.embedding.embeddings)
-            return keras.ops.matmul(x, keras.ops.transpose(table)) / 10.0
-
-    return TiedProjection
+def weight_path(weight):
+    """"layer/variable" for Keras 3 and tf_keras weights alike."""
+    return getattr(weight, "path", None) or weight.name.split(":")[0]
 
 
-def TiedProjection(embedding, name):
-    return _tied_projection_class()(embedding, name=name)
+def is_table_weight(weight):
+    return weight_path(weight).endswith("/embeddings")
 
 
 def initial_weights(variant, seed=1):
-    import keras
-
     keras.utils.set_random_seed(seed)
     return build_model(variant).get_weights()
 
 
-def reference_train(weights, optimizer, ids, y, variant):
-    """Single-device training, batch after batch; returns the final weights."""
-    import keras
-    import tensorflow as tf
-
+def reference_train(weights, optimizer, ids, y, variant, lazy):
+    """Single-device training, batch after batch; returns the model."""
     model = build_model(variant)
     model.set_weights(weights)
-    opt = OPTIMIZERS[optimizer](keras)
-    for start in range(0, len(ids), GLOBAL_BATCH):
+    variables = model.trainable_variables
+    tables = [v for v in variables if is_table_weight(v)] if lazy else []
+    dense = [v for v in variables if not any(v is t for t in tables)]
+    opt = OPTIMIZERS[optimizer]()
+    lazy_rule = LazyRule(opt, tables) if tables else None
+    for step, start in enumerate(range(0, len(ids), GLOBAL_BATCH)):
         x, t = ids[start:start + GLOBAL_BATCH], y[start:start + GLOBAL_BATCH]
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x) - t))
-        grads = tape.gradient(loss, model.trainable_variables)
-        grads = [_merge_rows(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        opt.apply(grads, model.trainable_variables)
+        grads = dict(zip(map(id, variables), tape.gradient(loss, variables)))
+        opt.apply_gradients([(tf.convert_to_tensor(grads[id(v)]), v) for v in dense])
+        if lazy_rule:
+            lazy_rule.apply([(grads[id(v)], v) for v in tables], step + 1)
     model.compile(loss="mse")  # for evaluate() only
     return model
 
 
-def _merge_rows(g):
-    import tensorflow as tf
+class LazyRule:
+    """Numpy lazy updates: only the rows in a step's gradient, and their slots, move.
 
-    unique, pos = tf.unique(g.indices)
-    return tf.IndexedSlices(
-        tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0]), unique,
-        g.dense_shape)
+    In float32, as the optimizers compute (Adam's bias correction 1 - beta**t
+    differs from its float64 value by ~1e-5 relative).
+    """
+
+    def __init__(self, optimizer, tables):
+        self.config = optimizer.get_config()
+        self.kind = type(optimizer).__name__
+        self.slots = {id(t): {"m": np.zeros(t.shape, "float32"), "v": np.zeros(t.shape, "float32")}
+                      for t in tables}
+
+    def apply(self, grads_and_tables, t):
+        c = {k: np.float32(v) for k, v in self.config.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        lr, one, t = c["learning_rate"], np.float32(1), np.float32(t)
+        for grad, table in grads_and_tables:
+            rows, g = _merged_rows(grad)
+            w = table.numpy()
+            m, v = self.slots[id(table)]["m"], self.slots[id(table)]["v"]
+            if self.kind == "SGD":
+                m[rows] = c["momentum"] * m[rows] - lr * g
+                w[rows] += m[rows]
+            elif self.kind == "Adam":
+                b1, b2 = c["beta_1"], c["beta_2"]
+                m[rows] += (g - m[rows]) * (one - b1)
+                v[rows] += (g * g - v[rows]) * (one - b2)
+                alpha = lr * np.sqrt(one - b2 ** t) / (one - b1 ** t)
+                w[rows] -= alpha * m[rows] / (np.sqrt(v[rows]) + c["epsilon"])
+            elif self.kind == "RMSprop":
+                rho = c["rho"]
+                v[rows] = rho * v[rows] + (one - rho) * g * g
+                m[rows] = c["momentum"] * m[rows] + lr * g / np.sqrt(v[rows] + c["epsilon"])
+                w[rows] -= m[rows]
+            else:
+                raise ValueError(f"no lazy reference for {self.kind}")
+            table.assign(w)
+
+
+def _merged_rows(grad):
+    rows, positions = np.unique(grad.indices.numpy(), return_inverse=True)
+    summed = np.zeros((len(rows),) + tuple(grad.values.shape[1:]), "float32")
+    np.add.at(summed, positions, grad.values.numpy())
+    return rows, summed
 
 
 def distributed_train(strategy, weights, optimizer, ids, y, variant):
     """`model.fit` on a tf.data.Dataset under `strategy`; returns the model."""
-    import keras
-    import tensorflow as tf
-
     with strategy.scope():
         model = build_model(variant)
         model.set_weights(weights)
-        model.compile(optimizer=OPTIMIZERS[optimizer](keras), loss="mse")
+        model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
     dataset = tf.data.Dataset.from_tensor_slices((ids, y)).batch(GLOBAL_BATCH)
     model.fit(dataset, epochs=1, verbose=0, shuffle=False)
     return model
 
 
+# Weights whose largest entry is below this (a bias that stays near zero) are
+# compared against it instead, i.e. absolutely at TOLERANCE * WEIGHT_SCALE_FLOOR.
+WEIGHT_SCALE_FLOOR = 0.01
+
+
 def relative_errors(actual, expected):
-    """Per weight: max |actual - expected| / max |expected|."""
-    return [float(np.max(np.abs(a - e)) / max(float(np.max(np.abs(e))), 1e-12))
+    """Per weight: max |actual - expected| / max(max |expected|, WEIGHT_SCALE_FLOOR)."""
+    return [float(np.max(np.abs(a - e))
+                  / max(float(np.max(np.abs(e))), WEIGHT_SCALE_FLOOR))
             for a, e in zip(actual, expected)]
 
 
 def variable_devices(model):
-    """`{variable path: [devices]}`: one device for a PS table, one per replica else."""
+    """`{path: [devices]}`: a PS table's shard devices, or one per replica if mirrored."""
     out = {}
     for w in model.weights:
-        value = getattr(w, "value", w)
-        components = getattr(value, "values", None)
-        out[w.path] = [c.device for c in components] if components else [value.device]
+        value = raw_variable(w)
+        parts = getattr(value, "shards", None) or getattr(value, "values", None)
+        out[weight_path(w)] = [p.device for p in parts] if parts else [value.device]
     return out
 
 
-def equivalence_case(make_strategy, optimizer, variant, overrides):
+def raw_variable(weight):
+    """What the strategy created: Keras 3 wraps it (`.value`), tf_keras does not."""
+    value = getattr(weight, "value", None)
+    return weight if value is None or callable(value) else value
+
+
+def equivalence_case(make_strategy, optimizer, variant, overrides, sparse_update):
     # The strategy first: on a cluster it connects this process, and variables
     # made before that would belong to a device that no longer exists.
-    strategy = make_strategy(placement_overrides=overrides)
+    strategy = make_strategy(placement_overrides=overrides, sparse_update=sparse_update)
     ids, y = make_data()
     weights = initial_weights(variant)
-    reference = reference_train(weights, optimizer, ids, y, variant)
+    lazy = sparse_update == "lazy" and optimizer not in LAZY_IS_EXACT
+    reference = reference_train(weights, optimizer, ids, y, variant, lazy)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = distributed_train(strategy, weights, optimizer, ids, y, variant)
     held_out = make_data(GLOBAL_BATCH * 2, seed=5)[0]
+    zeros = np.zeros((len(held_out), 1), "float32")
     return {
-        "relative_errors": dict(zip([w.path for w in model.weights],
+        "relative_errors": dict(zip([weight_path(w) for w in model.weights],
                                     relative_errors(model.get_weights(),
                                                     reference.get_weights()))),
         "devices": variable_devices(model),
-        "placement": {r.path: str(r.placement) for r in strategy.placement},
+        "placement": {r.path: [s.task for s in r.placement.shards] or "mirrored"
+                      for r in strategy.placement},
         "placement_table": str(strategy.placement),
         "gradient_types": strategy.gradient_types,
         "ps_aggregated": sorted(strategy.ps_aggregated),
@@ -178,11 +248,26 @@ def equivalence_case(make_strategy, optimizer, variant, overrides):
         "predict_error": relative_errors(
             [model.predict(held_out, batch_size=GLOBAL_BATCH, verbose=0)],
             [reference.predict(held_out, batch_size=GLOBAL_BATCH, verbose=0)])[0],
-        "evaluate_loss": float(model.evaluate(held_out, np.zeros((len(held_out), 1)),
-                                              batch_size=GLOBAL_BATCH, verbose=0)),
-        "reference_loss": float(reference.evaluate(
-            held_out, np.zeros((len(held_out), 1)), batch_size=GLOBAL_BATCH, verbose=0)),
+        "evaluate_loss": float(model.evaluate(held_out, zeros, batch_size=GLOBAL_BATCH,
+                                              verbose=0)),
+        "reference_loss": float(reference.evaluate(held_out, zeros,
+                                                   batch_size=GLOBAL_BATCH, verbose=0)),
     }
+
+
+class SumOfOutputs(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return tf.reduce_sum(y_pred, axis=-1)
+
+
+def _counting_model(n):
+    model = keras.Sequential([
+        keras.Input(shape=(1,), dtype="int32"),
+        keras.layers.Embedding(n, 1, embeddings_initializer="zeros", name="rows"),
+        keras.layers.Flatten(),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=SumOfOutputs(reduction="sum"))
+    return model
 
 
 def counting_case(make_strategy, source):
@@ -192,18 +277,17 @@ def counting_case(make_strategy, source):
     amount; dividing by the rows of the same epoch on one device gives how many
     times the cluster used each example.
     """
-    import tensorflow as tf
-
+    strategy = make_strategy()
     n = COUNT_EXAMPLES
     ids = np.arange(n, dtype="int32").reshape(n, 1)
     y = np.zeros((n, 1), "float32")
-    strategy = make_strategy()
     single_device = _counting_model(n)
     single_device.fit(ids, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
     with strategy.scope():
         model = _counting_model(n)
     batches = []
-    callback = _batch_counter(batches)
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batches.append(batch))
     if source == "numpy":
         history = model.fit(ids, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
                             verbose=0, callbacks=[callback])
@@ -218,59 +302,62 @@ def counting_case(make_strategy, source):
     }
 
 
-def _counting_model(n):
-    import keras
-
-    model = keras.Sequential([
-        keras.Input(shape=(1,), dtype="int32"),
-        keras.layers.Embedding(n, 1, embeddings_initializer="zeros", name="rows"),
-        keras.layers.Flatten(),
-    ])
-    model.compile(optimizer=keras.optimizers.SGD(1.0),
-                  loss=_sum_of_outputs_loss()(reduction="sum"))
-    return model
-
-
-def _batch_counter(batches):
-    import keras
-
-    return keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda batch, logs: batches.append(batch))
-
-
-def _sum_of_outputs_loss():
-    import keras
-
-    class SumOfOutputs(keras.losses.Loss):
-        def call(self, y_true, y_pred):
-            return keras.ops.sum(y_pred, axis=-1)
-
-    return SumOfOutputs
+def large_table_case(make_strategy, rows=100_000, dim=64):
+    """Where a 100,000-row table and its slots live, and that it trains."""
+    strategy = make_strategy()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input(shape=(4,), dtype="int32"),
+            keras.layers.Embedding(rows, dim, name="big"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, name="out"),
+        ])
+        model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    ids = np.random.default_rng(3).integers(0, rows, size=(64, 4)).astype("int32")
+    before = model.get_weights()[0]
+    model.fit(ids, np.ones((64, 1), "float32"), batch_size=GLOBAL_BATCH, verbose=0)
+    after = model.get_weights()[0]
+    table = next(w for w in model.weights if weight_path(w).endswith("big/embeddings"))
+    table_value = raw_variable(table)
+    slot_devices = {}
+    for v in model.optimizer.variables:
+        value = raw_variable(v)
+        if hasattr(value, "shards"):
+            slot_devices[weight_path(v)] = [s.device for s in value.shards]
+    return {
+        "shape": list(after.shape),
+        "rows_changed": int((np.abs(after - before).sum(axis=1) > 0).sum()),
+        "distinct_ids": int(len(np.unique(ids))),
+        "shard_devices": [s.device for s in table_value.shards],
+        "shard_rows": [int(s.shape[0]) for s in table_value.shards],
+        "slot_devices": slot_devices,
+        "placement_table": str(strategy.placement),
+    }
 
 
 def report(make_strategy, cases=CASES):
     out = {name: equivalence_case(make_strategy, *spec) for name, spec in cases.items()}
     for source in ("dataset", "numpy"):
         out[f"count_{source}"] = counting_case(make_strategy, source)
+    out["large_table"] = large_table_case(make_strategy)
     return out
 
 
 def main(argv):
-    """`scenario.py` on a cluster's chief; `scenario.py --local-replicas N` alone."""
-    import tensorflow as tf
-
     import hybrid_strategy
 
-    make_strategy = hybrid_strategy.HybridStrategy
-    if len(argv) == 2 and argv[0] == "--local-replicas":
-        replicas = int(argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local-replicas", type=int, default=0,
+                        help="run on this machine alone with this many CPU replicas")
+    args = parser.parse_args(argv)
+    make_strategy = functools.partial(hybrid_strategy.HybridStrategy,
+                                      min_shard_bytes=MIN_SHARD_BYTES)
+    if args.local_replicas:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
-        devices = [f"/cpu:{i}" for i in range(replicas)]
-        make_strategy = functools.partial(make_strategy, devices=devices)
-    elif argv:
-        sys.exit(f"usage: scenario.py [--local-replicas N]; got {argv}")
+            cpu, [tf.config.LogicalDeviceConfiguration()] * args.local_replicas)
+        make_strategy = functools.partial(
+            make_strategy, devices=[f"/cpu:{i}" for i in range(args.local_replicas)])
     json.dump(report(make_strategy), sys.stdout)
     sys.stdout.write("\n")
 

@@ -14,7 +14,8 @@ def info(path, shape=(10, 4), classes=DENSE):
 
 def test_hybrid_puts_embeddings_on_ps_and_the_rest_mirrored():
     policy = placement.PlacementPolicy("hybrid", num_ps=1)
-    assert policy.decide(info("emb/embeddings", classes=EMBEDDING)) == placement.Placement("ps", 0)
+    decided = policy.decide(info("emb/embeddings", classes=EMBEDDING))
+    assert decided == placement.Placement("ps", (placement.Shard(0, 0, 10),))
     assert policy.decide(info("dense/kernel")) == placement.Placement("mirrored")
 
 
@@ -38,13 +39,50 @@ def test_non_layer_variables_stay_mirrored_and_out_of_the_plan():
     assert len(policy.plan) == 0
 
 
-def test_greedy_balance_by_bytes():
+def test_small_tables_stay_whole_balanced_by_bytes():
     policy = placement.PlacementPolicy("hybrid", num_ps=2)
     big = policy.decide(info("a/embeddings", (1000, 8), EMBEDDING))
     small1 = policy.decide(info("b/embeddings", (10, 8), EMBEDDING))
     small2 = policy.decide(info("c/embeddings", (10, 8), EMBEDDING))
-    assert (big.ps_task, small1.ps_task, small2.ps_task) == (0, 1, 1)
+    assert (big.ps_tasks, small1.ps_tasks, small2.ps_tasks) == ((0,), (1,), (1,))
     assert policy.plan.bytes_per_ps_task(2) == [32000, 640]
+
+
+def test_large_tables_split_by_rows_over_every_ps_task():
+    policy = placement.PlacementPolicy("hybrid", num_ps=3)
+    decided = policy.decide(info("words/embeddings", (100_000, 64), EMBEDDING))
+    assert decided.shards == (placement.Shard(0, 0, 33334), placement.Shard(1, 33334, 66667),
+                              placement.Shard(2, 66667, 100_000))
+    assert policy.plan.bytes_per_ps_task(3) == [33334 * 256, 33333 * 256, 33333 * 256]
+    assert str(decided) == "3 shards on ps"
+
+
+def test_shard_count_follows_min_shard_bytes_and_table_shards():
+    policy = placement.PlacementPolicy(
+        "hybrid", num_ps=4, min_shard_bytes=1 << 20, table_shards={"pinned": 2, "tiny*": 3})
+    # 3 MiB: three shards of at least 1 MiB, on three distinct tasks.
+    three = policy.decide(info("a/embeddings", (3 * (1 << 18), 1), EMBEDDING))
+    assert sorted(three.ps_tasks) == [0, 1, 2]
+    assert len(policy.decide(info("pinned/embeddings", (10**6, 8), EMBEDDING)).shards) == 2
+    # More shards than rows is capped at one row each.
+    assert [s.rows for s in policy.decide(info("tiny/embeddings", (2, 8), EMBEDDING)).shards] == [1, 1]
+
+
+def test_shards_beyond_the_ps_count_wrap_to_least_loaded_tasks():
+    policy = placement.PlacementPolicy("hybrid", num_ps=2, table_shards={"t": 4})
+    decided = policy.decide(info("t/embeddings", (400, 8), EMBEDDING))
+    assert decided.ps_tasks == (0, 1, 0, 1)
+    assert [s.rows for s in decided.shards] == [100, 100, 100, 100]
+
+
+def test_plan_lists_every_shard():
+    policy = placement.PlacementPolicy("hybrid", num_ps=2)
+    policy.decide(info("words/embeddings", (100_000, 64), EMBEDDING))
+    lines = str(policy.plan).splitlines()
+    assert lines[1].split()[:4] == ["words/embeddings", "100000x64", "25,600,000", "2"]
+    assert lines[2].split() == ["shard", "0", "50000x64", "12,800,000", "/job:ps/task:0",
+                                "rows", "0-49999"]
+    assert lines[3].split()[4] == "/job:ps/task:1"
 
 
 def test_overrides_match_paths_and_layer_names():
@@ -60,8 +98,8 @@ def test_overrides_match_paths_and_layer_names():
 
 def test_single_machine_ps_variables_live_on_the_local_cpu():
     policy = placement.PlacementPolicy("hybrid", num_ps=0)
-    decided = policy.decide(info("emb/embeddings", classes=EMBEDDING))
-    assert decided == placement.Placement("ps", None)
+    decided = policy.decide(info("words/embeddings", (100_000, 64), EMBEDDING))
+    assert decided == placement.Placement("ps", (placement.Shard(None, 0, 100_000),))
     assert str(decided) == "ps (local CPU)"
 
 
@@ -81,6 +119,9 @@ def test_plan_prints_a_table():
     ({"overrides": ["emb"]}, "placement_overrides must be a dict"),
     ({"overrides": {"emb": "gpu"}}, "placement_overrides['emb'] is 'gpu'"),
     ({"overrides": {"": "ps"}}, "must be a non-empty string"),
+    ({"min_shard_bytes": 0}, "min_shard_bytes must be a positive int"),
+    ({"table_shards": {"emb": 0}}, "table_shards['emb'] is 0"),
+    ({"table_shards": [("emb", 2)]}, "table_shards must be a dict"),
 ])
 def test_bad_arguments_say_what_to_do(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as error:
