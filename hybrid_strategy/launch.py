@@ -25,11 +25,14 @@ import sys
 import time
 
 from hybrid_strategy import cluster as cluster_lib
+from hybrid_strategy import server as server_lib
 
 SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"
 _PREFIX = "hybrid_strategy.launch:"
 _SERVER_GRACE = 5.0  # seconds a server gets to exit after SIGTERM before SIGKILL
 _CHIEF_GRACE = 10.0  # seconds the chief gets after a forwarded signal before SIGKILL
+# Another process can take a port between free_port() and the server's bind; try new ports.
+_START_ATTEMPTS = 3
 # The directory holding this package, so servers import the same code as the launcher.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PR_SET_PDEATHSIG = 1
@@ -38,6 +41,10 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class ServerStartError(RuntimeError):
     """A server process of a LocalCluster exited while the cluster was starting."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _load_prctl():
@@ -75,7 +82,8 @@ class LocalCluster:
             subprocess.run([sys.executable, "train.py"], env=env, check=True)
 
     Entering starts the servers and waits until each accepts connections (at most
-    `startup_timeout` seconds); leaving stops them (SIGTERM, then SIGKILL after 5 s), also
+    `startup_timeout` seconds; a server that finds its port taken meanwhile makes it start
+    again on fresh ports, up to 3 times); leaving stops them (SIGTERM, then SIGKILL after 5 s), also
     on error and at interpreter exit. `env` holds extra environment variables for the servers
     (merged over os.environ); `quiet=False` lets their output through and lists the servers
     on stderr once they serve. On Linux the servers
@@ -122,7 +130,23 @@ class LocalCluster:
         if self.processes:
             raise RuntimeError("this LocalCluster was already started; create a new one.")
         started = time.monotonic()
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                self._start_servers(started + self.startup_timeout - time.monotonic())
+                break
+            except ServerStartError as e:
+                if e.exit_code != server_lib.EXIT_CANNOT_SERVE or attempt == _START_ATTEMPTS:
+                    raise
+        self.startup_seconds = time.monotonic() - started
+        if not self.quiet:
+            for (job, index), process in zip(self._tasks, self.processes):
+                print(f"{_PREFIX} {self.config.device(job, index)} on "
+                      f"{self.config.address(job, index)}, pid {process.pid}", file=sys.stderr)
+        return self
+
+    def _start_servers(self, timeout: float) -> None:
         self.config = _local_config(self.workers, self.ps, self.host)
+        self.processes, self._tasks = [], []
         atexit.register(self.close)
         try:
             for job, index, _ in self.config.tasks():
@@ -130,17 +154,11 @@ class LocalCluster:
                     self.processes.append(self._start_server(job, index))
                     self._tasks.append((job, index))
             cluster_lib.wait_for_tasks(
-                self.config, self.startup_timeout, check=self._raise_if_server_exited
+                self.config, max(timeout, 0.1), check=self._raise_if_server_exited
             )
         except BaseException:
             self.close()
             raise
-        self.startup_seconds = time.monotonic() - started
-        if not self.quiet:
-            for (job, index), process in zip(self._tasks, self.processes):
-                print(f"{_PREFIX} {self.config.device(job, index)} on "
-                      f"{self.config.address(job, index)}, pid {process.pid}", file=sys.stderr)
-        return self
 
     def close(self) -> None:
         """Stops every server still running and reaps it; safe to call more than once."""
@@ -200,7 +218,8 @@ class LocalCluster:
                         if self.quiet else "its output is above")
                 raise ServerStartError(
                     f"server {self.config.device(job, index)} (pid {process.pid}) "
-                    f"{_describe_exit(code)} while the cluster was starting; {hint}."
+                    f"{_describe_exit(code)} while the cluster was starting; {hint}.",
+                    code,
                 )
 
 
@@ -230,6 +249,9 @@ def _check_count(name: str, value, minimum: int) -> None:
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code == server_lib.EXIT_CANNOT_SERVE:
+        return (f"could not start its gRPC server (exit code {code}: its port was taken, "
+                f"{_START_ATTEMPTS} times with fresh ports, or the host is not this machine)")
     return f"exited with code {code}"
 
 

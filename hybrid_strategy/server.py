@@ -6,7 +6,7 @@
 
 TF_CONFIG says which task this process is. The server runs until SIGTERM or SIGINT, then exits
 with code 0. Exit code 2 means TF_CONFIG is missing or invalid, or names a task that is not a
-worker or ps; exit code 1 means the server could not start (e.g. its port is taken).
+worker or ps; exit code 75 means the gRPC server could not start (e.g. its port is taken).
 """
 import argparse
 import os
@@ -17,6 +17,7 @@ from hybrid_strategy import cluster as cluster_lib
 
 _PREFIX = "hybrid_strategy.server:"
 _SERVED_JOBS = ("worker", "ps")
+EXIT_CANNOT_SERVE = 75  # EX_TEMPFAIL: the launcher retries with other ports
 
 
 class _Stop(BaseException):
@@ -91,7 +92,7 @@ def _serve(config: cluster_lib.ClusterConfig, stopped: int) -> int:
         print(f"{_PREFIX} {config.device(job, index)} could not start: {e.message}; is "
               f"{config.address(job, index)} free and an address of this machine?",
               file=sys.stderr)
-        return 1
+        return EXIT_CANNOT_SERVE
     print(f"{_PREFIX} {config.device(job, index)} serving on {config.address(job, index)}",
           file=sys.stderr, flush=True)
     # The server serves from its own threads while `server` keeps it referenced (deleting

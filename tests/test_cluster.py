@@ -180,8 +180,8 @@ def listening():
 def test_wait_for_tasks_reaches_a_listening_task(listening):
     config = cluster.ClusterConfig({"chief": ["127.0.0.1:1"], "worker": [listening]})
     started = time.monotonic()
-    cluster.wait_for_tasks(config, timeout=5)  # chief/0 (nothing listens) is skipped
-    assert time.monotonic() - started < 1
+    cluster.wait_for_tasks(config, timeout=30)  # chief/0 (nothing listens) is skipped
+    assert time.monotonic() - started < 5
 
 
 def test_wait_for_tasks_names_unreachable_tasks_within_timeout(listening):
@@ -206,7 +206,7 @@ def test_wait_for_tasks_stops_early_when_check_raises():
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="server died"):
         cluster.wait_for_tasks(config, timeout=30, check=check)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 5
 
 
 def test_wait_for_tasks_rejects_bad_timeout():
