@@ -201,6 +201,71 @@ def wait_for_tasks(
         raise TaskUnreachableError(_unreachable_message(unreachable, errors, timeout))
 
 
+class HealthMonitor:
+    """Probes every task from a background thread; reports one that stays unreachable.
+
+    A training step driven from the chief waits on every worker and ps task; when
+    one dies mid-step, TensorFlow keeps waiting. The monitor connects to each
+    task every `interval` seconds and, once a task has refused or ignored
+    connections for `timeout` seconds, calls `on_failure(message)` once.
+
+    ```python
+    monitor = HealthMonitor(config, timeout=30.0, on_failure=print)
+    monitor.start()
+    ...
+    monitor.stop()
+    ```
+    """
+
+    def __init__(self, config: ClusterConfig, timeout: float, on_failure,
+                 interval: float | None = None, skip=(("chief", 0),)):
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        self._timeout = float(timeout)
+        self._interval = interval or min(5.0, self._timeout / 4)
+        self._on_failure = on_failure
+        skipped = {(job, index) for job, index in skip}
+        self._targets = [t for t in config.tasks() if (t[0], t[1]) not in skipped]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybrid-strategy-health",
+                                        daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+
+    def _run(self):
+        last_answer = {t: time.monotonic() for t in self._targets}
+        errors: dict = {}
+        while not self._stop.wait(self._interval):
+            now = time.monotonic()
+            for task in self._targets:
+                if _answers(task, min(self._interval, 2.0), errors):
+                    last_answer[task] = now
+            lost = [t for t in self._targets if now - last_answer[t] >= self._timeout]
+            if lost:
+                lines = "\n".join(
+                    f"  {_device(job, index)} at {address} ({errors.get((job, index, address), 'no answer')})"
+                    for job, index, address in lost)
+                self._on_failure(
+                    f"{len(lost)} task(s) stopped answering for {self._timeout:g} s:\n{lines}\n"
+                    "The training step cannot finish without them.")
+                return
+
+
+def _answers(task, timeout: float, errors: dict) -> bool:
+    host, port = _split_address(task[2])
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError as e:
+        errors[task] = e.strerror or str(e) or type(e).__name__
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that is free right now (another process may still take it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

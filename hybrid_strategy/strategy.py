@@ -19,6 +19,8 @@ print(strategy.placement)
 
 import inspect
 import itertools
+import os
+import sys
 import warnings
 
 import tensorflow as tf
@@ -46,6 +48,8 @@ _CHIEF_JOB = "chief"
 # The cluster this process is connected to: TensorFlow keeps one per process.
 _connected_cluster = None
 _collective_key_bases = itertools.count(0, 100)
+# Exit code when a task stops answering during training (sysexits' EX_TEMPFAIL).
+EXIT_TASK_LOST = 75
 
 
 class PlacementWarning(UserWarning):
@@ -96,12 +100,16 @@ class HybridStrategy(tf.distribute.Strategy):
         communication_options: `tf.distribute.experimental.CommunicationOptions`
             for the dense all-reduce (implementation, timeout).
         connect_timeout: Seconds to wait for every task to answer at start-up.
+        task_timeout: Seconds a worker or ps task may stop answering during
+            training before this process reports it and exits with code 75
+            (EX_TEMPFAIL): the in-graph step cannot finish without it, and
+            TensorFlow would otherwise wait forever. None disables the check.
     """
 
     def __init__(self, cluster_resolver=None, *, architecture="hybrid",
                  placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
                  table_shards=None, sparse_update="lazy", devices=None,
-                 communication_options=None, connect_timeout=60.0):
+                 communication_options=None, connect_timeout=60.0, task_timeout=60.0):
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
         else:
@@ -114,7 +122,7 @@ class HybridStrategy(tf.distribute.Strategy):
             placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
             table_shards=table_shards, sparse_update=sparse_update, devices=devices,
             communication_options=communication_options,
-            connect_timeout=connect_timeout)
+            connect_timeout=connect_timeout, task_timeout=task_timeout)
         super().__init__(extended)
 
     @property
@@ -147,7 +155,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, sparse_update,
-                 devices, communication_options, connect_timeout):
+                 devices, communication_options, connect_timeout, task_timeout):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -166,6 +174,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             _check_cluster(config, architecture)
             worker_devices, ps_devices = _connect(config, connect_timeout)
             num_ps = config.num_ps
+            if task_timeout is not None:
+                cluster_lib.HealthMonitor(config, task_timeout, _exit_on_lost_task).start()
         self.policy = placement_lib.PlacementPolicy(
             architecture, num_ps=num_ps, overrides=placement_overrides,
             min_shard_bytes=min_shard_bytes, table_shards=table_shards)
@@ -464,6 +474,15 @@ def _local_devices(devices):
     if devices:
         return [device_util.resolve(d) for d in devices]
     return [g.name for g in tf.config.list_logical_devices("GPU")] or [_LOCAL_CPU]
+
+
+def _exit_on_lost_task(message):
+    """Ends this process: a lost task leaves the step, and so the program, hanging."""
+    sys.stderr.write(
+        f"HybridStrategy: {message}\nExiting with code {EXIT_TASK_LOST}; restart the "
+        "task and the program (restoring from your last checkpoint).\n")
+    sys.stderr.flush()
+    os._exit(EXIT_TASK_LOST)
 
 
 def _check_cluster(config, architecture):

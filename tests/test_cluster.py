@@ -218,3 +218,26 @@ def test_wait_for_tasks_rejects_bad_timeout():
 def test_free_port_is_bindable():
     with socket.create_server(("127.0.0.1", cluster.free_port())):
         pass
+
+
+def test_health_monitor_reports_a_task_that_stops_answering():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    config = cluster.ClusterConfig({"worker": (address,)})
+    reports = []
+    monitor = cluster.HealthMonitor(config, timeout=1.0, on_failure=reports.append,
+                                    interval=0.1).start()
+    try:
+        time.sleep(1.5)
+        assert reports == []  # answering all along
+        server.close()
+        deadline = time.monotonic() + 5
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        monitor.stop()
+    (message,) = reports
+    assert f"/job:worker/task:0 at {address}" in message
+    assert "stopped answering for 1 s" in message
