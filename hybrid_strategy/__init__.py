@@ -9,22 +9,33 @@ with strategy.scope():
                               keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
 ```
+
+Names are imported on first use, so that `python -m hybrid_strategy.server` and the
+launcher can check their arguments before TensorFlow loads.
 """
 
-from hybrid_strategy.cluster import ClusterConfig
-from hybrid_strategy.cluster import ClusterConfigError
-from hybrid_strategy.cluster import TaskUnreachableError
-from hybrid_strategy.placement import Placement
-from hybrid_strategy.placement import PlacementPlan
-from hybrid_strategy.strategy import HybridStrategy
-from hybrid_strategy.strategy import PlacementWarning
+import importlib
 
-__all__ = [
-    "ClusterConfig",
-    "ClusterConfigError",
-    "HybridStrategy",
-    "Placement",
-    "PlacementPlan",
-    "PlacementWarning",
-    "TaskUnreachableError",
-]
+_EXPORTS = {
+    "ClusterConfig": "hybrid_strategy.cluster",
+    "ClusterConfigError": "hybrid_strategy.cluster",
+    "TaskUnreachableError": "hybrid_strategy.cluster",
+    "Placement": "hybrid_strategy.placement",
+    "PlacementPlan": "hybrid_strategy.placement",
+    "Shard": "hybrid_strategy.placement",
+    "HybridStrategy": "hybrid_strategy.strategy",
+    "PlacementWarning": "hybrid_strategy.strategy",
+    "UnsupportedOptimizerError": "hybrid_strategy.sparse_optimizers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hybrid_strategy' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__():
+    return __all__
