@@ -17,6 +17,7 @@ Run as a script, it prints the report as JSON:
 import argparse
 import functools
 import json
+import numbers
 import sys
 import warnings
 
@@ -149,7 +150,7 @@ class LazyRule:
 
     def apply(self, grads_and_tables, t):
         c = {k: np.float32(v) for k, v in self.config.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+             if isinstance(v, numbers.Real) and not isinstance(v, bool)}
         lr, one, t = c["learning_rate"], np.float32(1), np.float32(t)
         for grad, table in grads_and_tables:
             rows, g = _merged_rows(grad)

@@ -18,26 +18,40 @@ import scenario
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "scenario.py")
 TOLERANCE = 1e-5
+
+
+def on_cluster(workers, ps):
+    return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps),
+            "--", sys.executable, SCENARIO]
+
+
+# name -> (launch arguments, Keras flavour)
 SHAPES = {
-    "2workers_1ps": ["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
-                     "--", sys.executable, SCENARIO],
-    "2workers_2ps": ["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "2",
-                     "--", sys.executable, SCENARIO],
-    "one_machine": [SCENARIO, "--local-replicas", "2"],
+    "2workers_1ps": (on_cluster(2, 1), "keras3"),
+    "2workers_2ps": (on_cluster(2, 2), "keras3"),
+    "2workers_3ps": (on_cluster(2, 3), "keras3"),
+    "one_machine": ([SCENARIO, "--local-replicas", "2"], "keras3"),
+    "tf_keras_2workers_2ps": (on_cluster(2, 2), "tf_keras"),
+    "tf_keras_one_machine": ([SCENARIO, "--local-replicas", "2"], "tf_keras"),
 }
 
 
 @pytest.fixture(scope="session", params=list(SHAPES))
 def report(request):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    arguments, flavour = SHAPES[request.param]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
     env.pop("TF_CONFIG", None)
-    run = subprocess.run([sys.executable] + SHAPES[request.param], env=env,
-                         capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(HERE))
+    run = subprocess.run([sys.executable] + arguments, env=env, capture_output=True,
+                         text=True, timeout=900, cwd=os.path.dirname(HERE))
     if run.returncode != 0:
         pytest.fail(f"scenario on {request.param} exited {run.returncode}:\n"
                     f"{run.stderr[-6000:]}")
     return request.param, json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def num_ps(shape):
+    return 0 if shape.endswith("one_machine") else int(shape.split("_")[-1][0])
 
 
 @pytest.mark.parametrize("case", list(scenario.CASES))
@@ -54,33 +68,55 @@ def test_weights_match_single_device(report, case):
 def test_embeddings_on_ps_dense_weights_on_every_worker(report):
     shape, result = report
     devices = result["sgd"]["devices"]
-    (table_device,) = devices["embedding/embeddings"]
-    expected_job = "/job:localhost/" if shape == "one_machine" else "/job:ps/"
-    assert table_device.startswith(expected_job)
+    table_devices = devices["embedding/embeddings"]
+    if num_ps(shape):
+        # The 16 KB table is split by rows over every PS task, one shard each.
+        assert table_devices == [f"/job:ps/replica:0/task:{i}/device:CPU:0"
+                                 for i in range(num_ps(shape))]
+    else:
+        assert table_devices == ["/job:localhost/replica:0/task:0/device:CPU:0"]
     for path in ("hidden/kernel", "hidden/bias", "out/kernel", "out/bias"):
-        if shape == "one_machine":
-            assert [d.rsplit(":", 1)[1] for d in devices[path]] == ["0", "1"]
-        else:
+        if num_ps(shape):
             assert sorted(devices[path]) == [
                 f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
+        else:
+            assert [d.rsplit(":", 1)[1] for d in devices[path]] == ["0", "1"]
     assert result["sgd"]["placement"]["hidden/kernel"] == "mirrored"
 
 
-def test_tables_balanced_over_ps_tasks(report):
+def test_every_table_has_rows_on_every_ps_task(report):
     shape, result = report
     placement = result["two_tables"]["placement"]
-    if shape == "2workers_2ps":
-        assert placement["embedding/embeddings"] == "/job:ps/task:0"
-        assert placement["embedding_b/embeddings"] == "/job:ps/task:1"
-        assert result["two_tables"]["devices"]["embedding_b/embeddings"][0].startswith(
-            "/job:ps/replica:0/task:1/")
-    elif shape == "2workers_1ps":
-        assert set(placement.values()) == {"/job:ps/task:0", "mirrored"}
+    for table in ("embedding/embeddings", "embedding_b/embeddings"):
+        tasks = placement[table]
+        if num_ps(shape):
+            assert sorted(tasks) == list(range(num_ps(shape)))
+        else:
+            assert tasks == [None]
+
+
+def test_large_table_and_its_slots_live_on_the_ps_only(report):
+    shape, result = report
+    large = result["large_table"]
+    assert large["shape"] == [100_000, 64]
+    # Adagrad moves exactly the rows the batch looked up.
+    assert large["rows_changed"] == large["distinct_ids"]
+    if num_ps(shape):
+        expected = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(num_ps(shape))]
+        assert large["shard_devices"] == expected
+        assert all(rows > 0 for rows in large["shard_rows"])
+        assert sum(large["shard_rows"]) == 100_000
+        assert max(large["shard_rows"]) - min(large["shard_rows"]) <= 1
+        (slot,) = large["slot_devices"].values()
+        assert slot == expected
+        assert "/job:worker" not in large["placement_table"]
 
 
 def test_sparse_gradients_summed_on_the_ps(report):
     _, result = report
     assert result["sgd"]["ps_aggregated"] == ["embedding/embeddings"]
+    assert result["adam_lazy"]["ps_aggregated"] == [
+        "embedding/embeddings", "embedding_b/embeddings"]
     assert result["two_tables"]["ps_aggregated"] == [
         "embedding/embeddings", "embedding_b/embeddings"]
     assert result["sgd"]["gradient_types"]["embedding/embeddings"] == "sparse"
