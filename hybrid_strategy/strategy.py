@@ -162,9 +162,17 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.cluster = config
         self._collective_key_base = container_strategy._collective_key_base
         self._cross_device_ops = None
+        # Every argument is checked before this process connects to anything.
+        self.policy = placement_lib.PlacementPolicy(
+            architecture, num_ps=config.num_ps if config else 0,
+            overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
+            table_shards=table_shards)
+        if sparse_update not in sparse_optimizers.MODES:
+            raise ValueError(f"sparse_update={sparse_update!r}; use one of "
+                             f"{sparse_optimizers.MODES}.")
+        self.sparse_update = sparse_update
         if config is None:
             worker_devices, ps_devices = _local_devices(devices), [_LOCAL_CPU]
-            num_ps = 0
         else:
             if devices is not None:
                 raise ValueError(
@@ -173,16 +181,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                     "TF_CONFIG.")
             _check_cluster(config, architecture)
             worker_devices, ps_devices = _connect(config, connect_timeout)
-            num_ps = config.num_ps
             if task_timeout is not None:
                 cluster_lib.HealthMonitor(config, task_timeout, _exit_on_lost_task).start()
-        self.policy = placement_lib.PlacementPolicy(
-            architecture, num_ps=num_ps, overrides=placement_overrides,
-            min_shard_bytes=min_shard_bytes, table_shards=table_shards)
-        if sparse_update not in sparse_optimizers.MODES:
-            raise ValueError(f"sparse_update={sparse_update!r}; use one of "
-                             f"{sparse_optimizers.MODES}.")
-        self.sparse_update = sparse_update
         self._ps_devices = ps_devices
         self._devices = tuple(worker_devices)
         hosts = {}

@@ -83,3 +83,35 @@ def test_embedding_id_out_of_range_names_the_table(monkeypatch):
                        match=r"embedding id out of range for table words/embeddings "
                              r"\(10 rows\): ids must be in \[0, 10\)"):
         model.fit(ids, np.zeros((2, 1)), batch_size=2, verbose=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"architecture": "sharded"}, "architecture='sharded' is not supported"),
+    ({"sparse_update": "eager"}, "sparse_update='eager'; use one of ('lazy', 'exact')"),
+    ({"min_shard_bytes": -1}, "min_shard_bytes must be a positive int"),
+    ({"placement_overrides": {"emb": "gpu"}}, "placement_overrides['emb'] is 'gpu'"),
+])
+def test_bad_arguments_fail_before_connecting(monkeypatch, kwargs, message):
+    # The cluster does not exist: an argument error must come first, and fast.
+    monkeypatch.setenv("TF_CONFIG", tf_config(
+        {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}))
+    with pytest.raises(ValueError) as error:
+        hybrid_strategy.HybridStrategy(connect_timeout=30, **kwargs)
+    assert message in str(error.value)
+
+
+def test_unsupported_optimizer_on_a_ps_table_is_named(monkeypatch):
+    import keras
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = hybrid_strategy.HybridStrategy()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input(shape=(2,), dtype="int32"),
+            keras.layers.Embedding(10, 2, name="words"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer=keras.optimizers.Ftrl(0.1), loss="mse")
+    with pytest.raises(hybrid_strategy.UnsupportedOptimizerError, match="Ftrl"):
+        model.fit(np.array([[1, 2]], "int32"), np.zeros((1, 1)), verbose=0)
