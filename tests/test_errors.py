@@ -65,19 +65,24 @@ def test_devices_argument_is_for_one_machine(monkeypatch):
         hybrid_strategy.HybridStrategy(devices=["/cpu:0"])
 
 
-def test_embedding_id_out_of_range_names_the_table(monkeypatch):
+def words_model(optimizer):
+    """A 10-row table on this machine's PS, compiled with `optimizer` (a name)."""
     import keras
 
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    strategy = hybrid_strategy.HybridStrategy()
-    with strategy.scope():
+    with hybrid_strategy.HybridStrategy().scope():
         model = keras.Sequential([
             keras.Input(shape=(2,), dtype="int32"),
             keras.layers.Embedding(10, 2, name="words"),
             keras.layers.Flatten(),
             keras.layers.Dense(1),
         ])
-        model.compile(optimizer="sgd", loss="mse")
+        model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def test_embedding_id_out_of_range_names_the_table(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    model = words_model("sgd")
     ids = np.array([[1, 2], [3, 12]], "int32")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"embedding id out of range for table words/embeddings "
@@ -101,17 +106,7 @@ def test_bad_arguments_fail_before_connecting(monkeypatch, kwargs, message):
 
 
 def test_unsupported_optimizer_on_a_ps_table_is_named(monkeypatch):
-    import keras
-
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    strategy = hybrid_strategy.HybridStrategy()
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input(shape=(2,), dtype="int32"),
-            keras.layers.Embedding(10, 2, name="words"),
-            keras.layers.Flatten(),
-            keras.layers.Dense(1),
-        ])
-        model.compile(optimizer=keras.optimizers.Ftrl(0.1), loss="mse")
+    model = words_model("ftrl")
     with pytest.raises(hybrid_strategy.UnsupportedOptimizerError, match="Ftrl"):
         model.fit(np.array([[1, 2]], "int32"), np.zeros((1, 1)), verbose=0)
