@@ -288,8 +288,12 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             results[i] = values_lib.Mirrored((total,) * self._num_replicas_in_sync)
             self.ps_aggregated.add(table.path)
         if collective:
-            reduced = super()._batch_reduce_to(
-                reduce_op, [value_destination_pairs[i] for i in collective], options)
+            # A PS table as destination (tf_keras names the variables) would make
+            # TF reduce value by value; its update reads one replica's copy anyway.
+            pairs = [(value, value if table_lib.is_table(destinations) else destinations)
+                     for value, destinations in
+                     (value_destination_pairs[i] for i in collective)]
+            reduced = super()._batch_reduce_to(reduce_op, pairs, options)
             for i, value in zip(collective, reduced):
                 results[i] = _merge_duplicate_rows(value)
         return results
