@@ -215,8 +215,8 @@ class PlacementPolicy:
     fewest bytes so far, a table's shards to distinct tasks while there are
     enough (greedy by size, as Parallax balances its servers). Non-layer
     variables (optimizer counters, metrics) are always mirrored and left out of
-    the plan. Without PS tasks (single machine), "ps" variables live whole on the
-    local CPU (shard task None).
+    the plan. Without PS tasks (single machine), "ps" variables live on the local
+    CPU (shard task None), whole unless `table_shards` names them.
 
     Args:
         architecture: "hybrid", "allreduce" or "ps".
@@ -257,17 +257,17 @@ class PlacementPolicy:
 
     def _shards(self, info):
         rows = int(info.shape[0]) if info.shape else 1
-        if not self.num_ps:
-            return (Shard(None, 0, rows),)
         count = self._shard_count(info, rows)
         row_bytes = info.nbytes // max(rows, 1)
         shards, start, used = [], 0, set()
         for k in range(count):
             size = rows // count + (1 if k < rows % count else 0)
-            free = [t for t in range(self.num_ps) if t not in used] or range(self.num_ps)
-            task = min(free, key=self._ps_bytes.__getitem__)
-            used.add(task)
-            self._ps_bytes[task] += size * row_bytes
+            task = None
+            if self.num_ps:
+                free = [t for t in range(self.num_ps) if t not in used] or range(self.num_ps)
+                task = min(free, key=self._ps_bytes.__getitem__)
+                used.add(task)
+                self._ps_bytes[task] += size * row_bytes
             shards.append(Shard(task, start, start + size))
             start += size
         return tuple(shards)

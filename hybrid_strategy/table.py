@@ -15,8 +15,7 @@ Keras (3 or tf_keras) asked for:
   shards, with a dense gradient.
 
 The gradient reaches the tape through the first shard's handle: tape and Keras
-know a variable by `handle`, and a lookup's custom gradient returns the table-wide
-`IndexedSlices` for it.
+know a variable by `handle`, and each read records the table-wide gradient for it.
 
 ```python
 import tensorflow as tf
@@ -33,9 +32,9 @@ import numpy as np
 import tensorflow as tf
 
 # TF-private: `record.stop_recording` keeps the tape from also differentiating the
-# raw per-shard reads inside a lookup (the lookup's custom gradient stands for
-# them); `tape.variable_accessed` tells the tape the table was read, as reads of
-# a tf.Variable do; `dispatch` lets `tf.nn.embedding_lookup` route tables to
+# raw per-shard reads, and `record.record_operation` gives it the table-wide
+# gradient instead; `tape.variable_accessed` tells the tape the table was read, as
+# reads of a tf.Variable do; `dispatch` lets `tf.nn.embedding_lookup` route tables to
 # `lookup` before it would convert them to one dense tensor; gen_resource_variable_ops
 # are the raw per-shard reads.
 from tensorflow.python.eager import record
@@ -149,7 +148,7 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
     def numpy(self):
         return np.concatenate([s.numpy() for s in self.shards], axis=0)
 
-    def __array__(self, dtype=None):
+    def __array__(self, dtype=None, copy=None):
         return np.asarray(self.numpy(), dtype=dtype)
 
     # Writes ------------------------------------------------------------------
@@ -282,21 +281,15 @@ def split_slices(slices, offsets):
 
 def _read_whole(table):
     """The whole table as one tensor; its gradient flows to the table's handle."""
-
-    @tf.custom_gradient
-    def read(handle):
-        del handle  # the shards are read below; `handle` carries the gradient
-        with record.stop_recording():
-            parts = []
-            for shard in table.shards:
-                with tf.device(shard.device):
-                    parts.append(gen_resource_variable_ops.read_variable_op(
-                        shard.handle, table.dtype))
-            whole = tf.concat(parts, 0) if len(parts) > 1 else tf.identity(parts[0])
-        return whole, lambda dy: dy
-
-    tape_lib.variable_accessed(table)
-    return read(table.handle)
+    with record.stop_recording():
+        parts = []
+        for shard in table.shards:
+            with tf.device(shard.device):
+                parts.append(gen_resource_variable_ops.read_variable_op(
+                    shard.handle, table.dtype))
+        whole = tf.concat(parts, 0) if len(parts) > 1 else tf.identity(parts[0])
+    _record_gradient(table, whole, lambda dy: dy)
+    return whole
 
 
 def lookup(table, ids, name=None):
@@ -309,25 +302,32 @@ def lookup(table, ids, name=None):
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
         unique_ids = _checked(unique_ids, table)
         _remember(unique_ids, table)
+        with record.stop_recording():
+            out = tf.gather(_gather_rows(table, unique_ids), positions)
         num_unique = tf.shape(unique_ids)[0]
         dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
 
-        @tf.custom_gradient
-        def gather(handle):
-            del handle  # carries the gradient; the shards are read below
-            with record.stop_recording():
-                rows = _gather_rows(table, unique_ids)
-                out = tf.gather(rows, positions)
+        def row_gradients(dy):
+            summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
+            return tf.IndexedSlices(summed, unique_ids, dense_shape)
 
-            def grad(dy):
-                row_grads = tf.math.unsorted_segment_sum(dy, positions, num_unique)
-                return tf.IndexedSlices(row_grads, unique_ids, dense_shape)
-
-            return out, grad
-
-        tape_lib.variable_accessed(table)
-        out = gather(table.handle)
+        _record_gradient(table, out, row_gradients)
         return tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0))
+
+
+def _record_gradient(table, output, gradient):
+    """Tells the tape that `output` was read from `table`, with this gradient.
+
+    The tape knows a variable by its handle, so the gradient goes to the first
+    shard's handle, recorded on the tape only: an op taking the handle would be
+    ordered after every earlier use of that shard by tf.function's automatic
+    control dependencies, which would keep otherwise unused whole-table reads
+    (Keras reads the table's shape through one) alive in every step.
+    """
+    tape_lib.variable_accessed(table)
+    handle = tf.convert_to_tensor(table.handle)  # the captured one inside a tf.function
+    record.record_operation("HybridTableRead", [output], [handle],
+                            lambda dy: [gradient(dy)])
 
 
 def _checked(unique_ids, table):
@@ -371,6 +371,13 @@ def _embedding_lookup(params, ids, max_norm=None, name=None):
     return lookup(params, ids, name=name)
 
 
+@tf.experimental.dispatch_for_api(tf.shape, {"input": ShardedTable})
+def _table_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
+    # The static shape: converting the table would read every row (and in a
+    # tf.function that read would run every step, unused or not).
+    return tf.constant(input.shape.as_list(), dtype=out_type or tf.int32, name=name)
+
+
 def _remember(unique_ids, table):
     if tf.executing_eagerly():
         return
@@ -404,11 +411,13 @@ def _resolve(tensor, lookups, depth):
 
 
 def install_keras_hook():
-    """Lets `tf.gather` on a Keras 3 variable that wraps a PS table use `lookup`.
+    """Lets Keras 3 variables that wrap a PS table use the table's row reads.
 
-    `tf.gather(params, ids)` calls `params.sparse_read(ids)` when it exists. Keras 3
-    variables have none, so their gather would read the whole table first; this
-    adds one that exists only for variables wrapping a PS table.
+    - `tf.gather(params, ids)` calls `params.sparse_read(ids)` when it exists. Keras 3
+      variables have none, so their gather would read the whole table first; this
+      adds one that exists only for variables wrapping a PS table.
+    - `tf.shape` of such a variable (Keras' `ops.take` asks for it) is answered from
+      the static shape instead of converting, i.e. reading, the whole table.
     """
     import keras
 
@@ -423,3 +432,9 @@ def install_keras_hook():
         return value.sparse_read
 
     variable_class.sparse_read = property(sparse_read)
+    dispatch.register_dispatchable_type(variable_class)
+
+    @tf.experimental.dispatch_for_api(tf.shape, {"input": variable_class})
+    def _keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
+        value = input._value if is_table(getattr(input, "_value", None)) else input.value
+        return tf.shape(value, out_type=out_type, name=name)

@@ -1,0 +1,106 @@
+"""PS tables in one process: sharded lookups, no whole-table reads, weights and checkpoints."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hybrid_strategy
+from hybrid_strategy import table as table_lib
+
+keras = tf.keras
+
+
+@pytest.fixture(autouse=True)
+def one_machine(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def sharded_model(rows=100, shards=3, optimizer="adagrad"):
+    strategy = hybrid_strategy.HybridStrategy(table_shards={"emb": shards})
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input(shape=(4,), dtype="int32"),
+            keras.layers.Embedding(rows, 8, name="emb"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1, name="out"),
+        ])
+        model.compile(optimizer=optimizer, loss="mse")
+    return strategy, model
+
+
+def test_lookup_stitches_rows_from_every_shard_in_order():
+    shards = [tf.Variable(np.arange(8.0).reshape(4, 2)),
+              tf.Variable(np.arange(8.0, 14.0).reshape(3, 2)),
+              tf.Variable(np.arange(14.0, 20.0).reshape(3, 2))]
+    table = table_lib.ShardedTable(shards, "t/embeddings")
+    whole = np.arange(20.0).reshape(10, 2)
+    ids = np.array([[9, 0, 4], [4, 3, 7]])
+    np.testing.assert_array_equal(tf.gather(table, ids).numpy(), whole[ids])
+    np.testing.assert_array_equal(tf.nn.embedding_lookup(table, ids).numpy(), whole[ids])
+    np.testing.assert_array_equal(tf.convert_to_tensor(table).numpy(), whole)
+    assert tf.shape(table).numpy().tolist() == [10, 2]
+
+
+def test_gradient_is_one_table_wide_indexed_slices_with_rows_merged():
+    table = table_lib.ShardedTable(
+        [tf.Variable(tf.ones((4, 2))), tf.Variable(tf.ones((3, 2)))], "t/embeddings")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(table, [5, 1, 5]) * [[1.0, 2.0]])
+    (grad,) = tape.gradient(loss, [table])
+    assert isinstance(grad, tf.IndexedSlices)
+    assert grad.indices.numpy().tolist() == [5, 1]
+    np.testing.assert_array_equal(grad.values.numpy(), [[2.0, 4.0], [1.0, 2.0]])
+
+
+def test_a_training_step_never_reads_a_table_whole():
+    strategy, model = sharded_model(rows=1000, shards=1)
+    layer = model.get_layer("emb")
+
+    @tf.function
+    def lookup(ids):
+        return strategy.run(layer, args=(ids,))
+
+    graph = lookup.get_concrete_function(tf.zeros((8, 4), tf.int32)).graph
+    reads = [op.name for op in graph.get_operations() if op.type == "ReadVariableOp"]
+    assert reads == []
+
+
+def test_sharded_table_trains_and_returns_whole_weights():
+    strategy, model = sharded_model()
+    table = model.get_layer("emb").embeddings.value
+    assert [int(s.shape[0]) for s in table.shards] == [34, 33, 33]
+    before = model.get_weights()[0]
+    ids = np.array([[0, 33, 34, 99]] * 8, "int32")
+    model.fit(ids, np.ones((8, 1)), batch_size=8, verbose=0)
+    after = model.get_weights()[0]
+    assert after.shape == (100, 8)
+    changed = np.flatnonzero(np.abs(after - before).sum(axis=1))
+    assert changed.tolist() == [0, 33, 34, 99]
+    model.set_weights([np.zeros_like(after)] + model.get_weights()[1:])
+    assert not model.get_weights()[0].any()
+
+
+def test_weights_and_checkpoints_round_trip(tmp_path):
+    _, model = sharded_model()
+    ids = np.random.default_rng(0).integers(0, 100, (32, 4)).astype("int32")
+    model.fit(ids, np.ones((32, 1)), batch_size=8, verbose=0)
+    weights = model.get_weights()
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+
+    _, from_h5 = sharded_model()
+    from_h5.load_weights(str(tmp_path / "m.weights.h5"))
+    for a, b in zip(weights, from_h5.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    _, restored = sharded_model()
+    restored.fit(ids[:8], np.ones((8, 1)), batch_size=8, verbose=0)  # builds the slots
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(
+        path).assert_existing_objects_matched()
+    for a, b in zip(weights, restored.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    slots = [[v.numpy() for v in m.optimizer.variables if "emb" in v.path]
+             for m in (model, restored)]
+    assert len(slots[0]) == 1
+    np.testing.assert_array_equal(slots[0][0], slots[1][0])
