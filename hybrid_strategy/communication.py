@@ -1,8 +1,8 @@
-"""Sparse gradient aggregation: per-worker local sums, then one sum per shard on its PS.
+"""Gradient aggregation for PS tables: per-worker local sums, then one sum per shard on its PS.
 
-Dense gradients take TensorFlow's collective all-reduce (see the strategy); this
-module holds what TensorFlow has no op for: summing `tf.IndexedSlices` the
-Parallax way. Each worker first merges its replicas' slices (duplicate rows summed
+Gradients of mirrored variables take TensorFlow's collective all-reduce (see the
+strategy); this module holds the parameter-server side: summing a PS table's
+gradients (`tf.IndexedSlices` the Parallax way, or dense ones) where it lives. Each worker first merges its replicas' slices (duplicate rows summed
 once) and splits them by shard, so only its distinct rows cross the network, each
 to the PS that holds it; that PS then sums the workers' parts, again merging
 duplicate rows, so the optimizer sees each row once, exactly as a dense gradient
@@ -48,6 +48,13 @@ def host_of(device):
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
+def _by_host(replica_values, replica_devices):
+    by_host = collections.OrderedDict()
+    for value, replica_device in zip(replica_values, replica_devices):
+        by_host.setdefault(host_of(replica_device), []).append(value)
+    return by_host.items()
+
+
 def sum_sparse(replica_slices, replica_devices, table):
     """Sums per-replica `IndexedSlices` of `table` into one sum per shard, on its PS.
 
@@ -60,11 +67,8 @@ def sum_sparse(replica_slices, replica_devices, table):
         replica_devices: The device each replica runs on (same order).
         table: The `ShardedTable` the gradients belong to.
     """
-    by_host = collections.OrderedDict()
-    for slices, replica_device in zip(replica_slices, replica_devices):
-        by_host.setdefault(host_of(replica_device), []).append(slices)
     parts_by_shard = [[] for _ in table.shards]
-    for host, host_slices in by_host.items():
+    for host, host_slices in _by_host(replica_slices, replica_devices):
         with tf.device(host), tf.name_scope("local_aggregation"):
             merged = merge_duplicates(concat_slices(host_slices))
             for k, part in enumerate(table_lib.split_slices(merged, table.offsets)):
@@ -76,13 +80,34 @@ def sum_sparse(replica_slices, replica_devices, table):
     return sums
 
 
-def join_shards(shard_slices, table):
-    """One table-wide `IndexedSlices` from per-shard sums (global row ids)."""
-    if len(shard_slices) == 1:
-        part = shard_slices[0]
+def sum_dense(replica_values, replica_devices, table):
+    """Sums per-replica dense gradients of `table` into one sum per shard, on its PS.
+
+    The parameter-server way: each worker adds its replicas' gradients, sends each
+    shard's rows to that shard's PS, and the PS adds the workers' parts.
+    """
+    parts_by_shard = [[] for _ in table.shards]
+    for host, host_values in _by_host(replica_values, replica_devices):
+        with tf.device(host), tf.name_scope("local_aggregation"):
+            total = tf.add_n(host_values) if len(host_values) > 1 else host_values[0]
+            for k, part in enumerate(table_lib.split_dense(total, table.offsets)):
+                parts_by_shard[k].append(part)
+    sums = []
+    for shard, parts in zip(table.shards, parts_by_shard):
+        with tf.device(shard.device), tf.name_scope("ps_aggregation"):
+            sums.append(tf.add_n(parts) if len(parts) > 1 else tf.identity(parts[0]))
+    return sums
+
+
+def join_shards(shard_sums, table):
+    """One table-wide gradient from per-shard sums (global row ids for slices)."""
+    if not isinstance(shard_sums[0], tf.IndexedSlices):
+        return tf.concat(shard_sums, 0) if len(shard_sums) > 1 else shard_sums[0]
+    if len(shard_sums) == 1:
+        part = shard_sums[0]
         return tf.IndexedSlices(part.values, part.indices, table.shape)
     return tf.IndexedSlices(
-        tf.concat([s.values for s in shard_slices], 0),
+        tf.concat([s.values for s in shard_sums], 0),
         tf.concat([s.indices + tf.cast(start, s.indices.dtype)
-                   for s, start in zip(shard_slices, table.offsets)], 0),
+                   for s, start in zip(shard_sums, table.offsets)], 0),
         table.shape)

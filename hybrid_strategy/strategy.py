@@ -146,7 +146,7 @@ class HybridStrategy(tf.distribute.Strategy):
 
     @property
     def ps_aggregated(self):
-        """Paths of the PS tables whose sparse gradients are summed on their PS."""
+        """Paths of the PS tables whose gradients are summed per worker and on their PS."""
         return set(self.extended.ps_aggregated)
 
 
@@ -272,14 +272,17 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         results = [None] * len(value_destination_pairs)
         collective = []
         for i, (value, destinations) in enumerate(value_destination_pairs):
-            table = _sparse_table_of(value)
+            table = _table_of_gradient(value)
             if table is None:
                 collective.append(i)
                 continue
-            sums = communication.sum_sparse(_components(value), self._devices, table)
+            components = _components(value)
+            if isinstance(components[0], tf.IndexedSlices):
+                sums = communication.sum_sparse(components, self._devices, table)
+            else:
+                sums = communication.sum_dense(components, self._devices, table)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
-                sums = [tf.IndexedSlices(s.values / self._num_replicas_in_sync,
-                                         s.indices, s.dense_shape) for s in sums]
+                sums = [_scaled(s, 1.0 / self._num_replicas_in_sync) for s in sums]
             # The table-wide sum is what all_reduce promises; the update uses the
             # per-shard sums where they are, so the joined one is built only if
             # something else reads it.
@@ -363,17 +366,23 @@ def _components(value):
     return (value,)
 
 
-def _sparse_table_of(value):
-    """The PS table every replica's IndexedSlices in `value` belongs to, or None."""
+def _table_of_gradient(value):
+    """The PS table every replica's gradient in `value` belongs to, or None."""
     tables = set()
     for component in _components(value):
-        if not isinstance(component, tf.IndexedSlices):
-            return None
-        table = table_lib.table_of_gradient(component.indices)
+        key = component.indices if isinstance(component, tf.IndexedSlices) else component
+        table = table_lib.table_of_gradient(key) if tf.is_tensor(key) else None
         if table is None:
             return None
         tables.add(table.ref())
     return tables.pop().deref() if len(tables) == 1 else None
+
+
+def _scaled(gradient, factor):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
+                                gradient.dense_shape)
+    return gradient * factor
 
 
 def _merge_duplicate_rows(value):

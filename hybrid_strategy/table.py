@@ -42,7 +42,7 @@ from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.util import dispatch
 
-# graph -> {name of a unique-ids tensor: the table it indexes}
+# graph -> {name of a lookup's unique ids or of a read's gradient: its table}
 _LOOKUPS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
 _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
@@ -288,7 +288,7 @@ def _read_whole(table):
                 parts.append(gen_resource_variable_ops.read_variable_op(
                     shard.handle, table.dtype))
         whole = tf.concat(parts, 0) if len(parts) > 1 else tf.identity(parts[0])
-    _record_gradient(table, whole, lambda dy: dy)
+    _record_gradient(table, whole, lambda dy: _remember(tf.identity(dy), table))
     return whole
 
 
@@ -378,20 +378,25 @@ def _table_shape(input, out_type=None, name=None):  # pylint: disable=redefined-
     return tf.constant(input.shape.as_list(), dtype=out_type or tf.int32, name=name)
 
 
-def _remember(unique_ids, table):
-    if tf.executing_eagerly():
-        return
-    _LOOKUPS.setdefault(unique_ids.graph, {})[unique_ids.name] = table
+def _remember(tensor, table):
+    """Notes that `tensor` (a lookup's unique ids, a read's gradient) is `table`'s."""
+    if not tf.executing_eagerly():
+        _LOOKUPS.setdefault(tensor.graph, {})[tensor.name] = table
+    return tensor
 
 
-def table_of_gradient(indices, depth=6):
-    """Returns the PS table whose lookups produced gradient `indices`, or None."""
-    if tf.executing_eagerly() or not hasattr(indices, "graph"):
+def table_of_gradient(tensor, depth=6):
+    """The PS table a gradient belongs to, from its indices (sparse) or itself (dense).
+
+    None when the gradient was not produced by this module's reads alone (for
+    instance the tape summed a lookup's and a whole read's gradients).
+    """
+    if tf.executing_eagerly() or not hasattr(tensor, "graph"):
         return None
-    lookups = _LOOKUPS.get(indices.graph)
+    lookups = _LOOKUPS.get(tensor.graph)
     if not lookups:
         return None
-    return _resolve(indices, lookups, depth)
+    return _resolve(tensor, lookups, depth)
 
 
 def _resolve(tensor, lookups, depth):

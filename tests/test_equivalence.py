@@ -112,7 +112,7 @@ def test_large_table_and_its_slots_live_on_the_ps_only(report):
         assert "/job:worker" not in large["placement_table"]
 
 
-def test_sparse_gradients_summed_on_the_ps(report):
+def test_table_gradients_summed_per_worker_then_on_the_ps(report):
     _, result = report
     assert result["sgd"]["ps_aggregated"] == ["embedding/embeddings"]
     assert result["adam_lazy"]["ps_aggregated"] == [
@@ -120,6 +120,11 @@ def test_sparse_gradients_summed_on_the_ps(report):
     assert result["two_tables"]["ps_aggregated"] == [
         "embedding/embeddings", "embedding_b/embeddings"]
     assert result["sgd"]["gradient_types"]["embedding/embeddings"] == "sparse"
+    # A dense variable forced onto the PS is summed there too, parameter-server style.
+    assert result["forced"]["ps_aggregated"] == ["hidden/kernel"]
+    # The tape merges the tied table's sparse and dense gradients into one dense
+    # tensor: that one is all-reduced among the workers, then applied on the PS.
+    assert result["tied"]["ps_aggregated"] == []
 
 
 def test_misfit_placements_warn_once_each(report):
