@@ -36,6 +36,8 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import numpy_dataset
 from tensorflow.python.distribute import values as values_lib
+# TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution).
+from tensorflow.python.ops import control_flow_util_v2
 
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
@@ -208,6 +210,15 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.ps_aggregated = set()
         table_lib.install_keras_hook()
 
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self.cluster is not None and _inside_while_loop():
+            raise NotImplementedError(
+                "HybridStrategy on a cluster runs one training step per call: a step "
+                "inside a tf.while_loop (Keras compile(steps_per_execution=N) with N > 1) "
+                "cannot run across remote tasks on TensorFlow 2.21 (its loop variables "
+                "are not sent to the other tasks). Use steps_per_execution=1, the default.")
+        return super()._call_for_each_replica(fn, args, kwargs)
+
     # Variable creation -------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
@@ -364,6 +375,15 @@ def _components(value):
     if isinstance(value, values_lib.DistributedValues):
         return value.values
     return (value,)
+
+
+def _inside_while_loop():
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if control_flow_util_v2.in_while_loop_defun(graph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _table_of_gradient(value):

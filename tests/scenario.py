@@ -336,11 +336,26 @@ def large_table_case(make_strategy, rows=100_000, dim=64):
     }
 
 
+def multi_step_case(make_strategy):
+    """`compile(steps_per_execution=2)`: trains on one machine, a clear error on a cluster."""
+    strategy = make_strategy()
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer=OPTIMIZERS["sgd"](), loss="mse", steps_per_execution=2)
+    ids, y = make_data()
+    try:
+        history = model.fit(ids, y, batch_size=GLOBAL_BATCH, verbose=0)
+    except NotImplementedError as error:
+        return {"error": str(error)}
+    return {"error": None, "loss_finite": bool(np.isfinite(history.history["loss"][-1]))}
+
+
 def report(make_strategy, cases=CASES):
     out = {name: equivalence_case(make_strategy, *spec) for name, spec in cases.items()}
     for source in ("dataset", "numpy"):
         out[f"count_{source}"] = counting_case(make_strategy, source)
     out["large_table"] = large_table_case(make_strategy)
+    out["multi_step"] = multi_step_case(make_strategy)
     return out
 
 

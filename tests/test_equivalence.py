@@ -154,3 +154,11 @@ def test_every_example_used_once_per_epoch(report, source):
     # 3 full global batches and a final one of a single example.
     assert counted["batches"] == 4
     assert counted["loss_finite"]
+
+
+def test_steps_per_execution_above_one_is_refused_on_a_cluster_only(report):
+    shape, result = report
+    if num_ps(shape):
+        assert "Use steps_per_execution=1" in result["multi_step"]["error"]
+    else:
+        assert result["multi_step"] == {"error": None, "loss_finite": True}
