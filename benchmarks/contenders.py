@@ -1,0 +1,362 @@
+"""The training programs the benchmark harness (benchmarks/run.py) runs, one per contender.
+
+    python -m benchmarks.contenders SPEC.json
+
+SPEC.json (written by the harness) names the contender, the model, the global batch,
+the warm-up and measured steps, the file to write results to, the directory of phase
+markers and this process's task name. Contenders:
+
+  single     Keras 3, no strategy, one process.
+  hybrid     Keras 3, `HybridStrategy(architecture="hybrid")`, this process the chief
+  allreduce  of a cluster whose workers and ps run `python -m hybrid_strategy.server`.
+  ps
+  mwms       tf_keras (TF_USE_LEGACY_KERAS=1), `tf.distribute.MultiWorkerMirroredStrategy`:
+             one such process per worker, TF_CONFIG with worker tasks only; worker 0
+             writes the results. Keras 3 `model.fit` fails with MWMS on TF 2.21.
+  pss        tf_keras, `tf.distribute.ParameterServerStrategy`, this process the
+             coordinator (chief); workers and ps are plain `tf.distribute.Server`s.
+             Keras 3 has no ParameterServerStrategy support.
+
+The models come from keras_examples/ (`build_model`, `make_dataset`), with their own
+defaults. The tf_keras contenders import the same modules with `keras` bound to tf_keras
+(plus the two `keras.ops` functions the examples use), so they build the same layers with
+the same sizes, optimizer and data; the language model's loss is computed the way tf_keras
+needs under a strategy (per-token cross-entropy averaged over the global batch).
+
+Timing: `model.fit` with `steps_per_execution=1`, verbose 0, and a callback. For the
+synchronous contenders the callback receives every step's logs as numbers (so the step
+has finished), one epoch runs warm-up + measured steps, and the measured window starts at
+`on_train_batch_begin` of the first measured step and ends at `on_train_batch_end` of the
+last. ParameterServerStrategy schedules steps asynchronously (each step runs on one
+worker with the whole global batch); its callback takes no per-step logs, `fit` runs two
+epochs of `steps` steps (the first is the warm-up) and the window is the second epoch,
+which ends once every scheduled step has finished (`coordinator.join()`), so only its
+mean step time is known.
+
+At each window boundary every process that trains (the chief, or every MWMS worker)
+writes `<sync_dir>/<phase>.<task>` and waits for `<sync_dir>/<phase>.go`, which the
+harness writes after it has read the network counters: nothing runs between the
+counters and the clock.
+"""
+
+import dataclasses
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+import types
+
+CONTENDERS = ("hybrid", "allreduce", "ps", "mwms", "pss", "single")
+HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "allreduce": "allreduce", "ps": "ps"}
+LEGACY_KERAS = ("mwms", "pss")  # contenders that run under tf_keras
+_HANDSHAKE_TIMEOUT = 300.0  # seconds a process waits for the harness at a boundary
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    module: str             # the keras_examples module with build_model / make_dataset
+    unit: str               # what throughput counts: "examples" or "tokens"
+    global_batch: int       # default global batch (the example's own default)
+    units_per_example: int = 1
+    build: dict = dataclasses.field(default_factory=dict)  # extra build_model kwargs
+    data: dict = dataclasses.field(default_factory=dict)   # extra make_dataset kwargs
+
+
+LM_SEQ_LEN = 20
+MODELS = {
+    "recommender": ModelSpec("keras_examples.recommender", "examples", 512),
+    "lm": ModelSpec("keras_examples.language_model", "tokens", 128,
+                    units_per_example=LM_SEQ_LEN, build={"seq_len": LM_SEQ_LEN},
+                    data={"seq_len": LM_SEQ_LEN}),
+    "cnn": ModelSpec("keras_examples.cnn", "examples", 128),
+}
+
+
+def model_available(name):
+    """Whether keras_examples has the model's module yet (without importing TensorFlow)."""
+    spec = MODELS[name]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        *spec.module.split(".")) + ".py"
+    return os.path.exists(path)
+
+
+# tf_keras as `keras` ----------------------------------------------------------------
+
+
+def _take(x, indices, axis=None):
+    """`keras.ops.take` for tf_keras: a row lookup for axis 0 (sparse gradient, and
+    per-shard on a ParameterServerStrategy ShardedVariable), else `tf.gather`."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if axis == 0:
+        return tf.nn.embedding_lookup(x, indices)
+    return tf.gather(x, indices, axis=axis)
+
+
+def install_tf_keras_as_keras():
+    """Makes `import keras` return tf_keras (with keras.ops.take / convert_to_tensor)."""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tf_keras  # pylint: disable=import-outside-toplevel
+
+    shim = types.ModuleType("keras", "tf_keras, seen by the examples as `keras`")
+    shim.__getattr__ = lambda name: getattr(tf_keras, name)
+    shim.__version__ = tf_keras.__version__
+    shim.ops = types.SimpleNamespace(take=_take, convert_to_tensor=tf.convert_to_tensor)
+    sys.modules["keras"] = shim
+    return shim
+
+
+def _adapt_for_tf_keras(module):
+    """Fixes what tf_keras does differently for a model class defined for Keras 3."""
+    lm_class = getattr(module, "LanguageModel", None)
+    if lm_class is None:
+        return
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        # tf_keras refuses a Keras loss object called under a strategy outside compile()
+        # and does not divide by the number of replicas: average over the global batch.
+        hidden = tf.reshape(y_pred, [-1, self.embedding_dim])
+        targets = tf.reshape(y, [-1])
+        logits = self.softmax.sampled_logits(hidden, targets)
+        per_token = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.zeros_like(targets), logits=logits)
+        loss = tf.nn.compute_average_loss(per_token)
+        tracker = getattr(self, "_bench_loss", None)
+        if tracker is not None:  # the "loss" of the logs, as Keras 3 reports it
+            tracker.update_state(tf.reduce_mean(per_token))
+        return loss
+
+    lm_class.compute_loss = compute_loss
+
+
+# Strategies -----------------------------------------------------------------------
+
+
+def make_strategy(contender, num_ps):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if contender in HYBRID_ARCHITECTURES:
+        import hybrid_strategy  # pylint: disable=import-outside-toplevel
+        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender])
+    if contender == "mwms":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if contender == "pss":
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=1 << 20, max_shards=max(num_ps, 1))
+        return tf.distribute.ParameterServerStrategy(resolver,
+                                                     variable_partitioner=partitioner)
+    return tf.distribute.get_strategy()
+
+
+# Phase boundaries ---------------------------------------------------------------
+
+
+def handshake(sync_dir, phase, task, timeout=_HANDSHAKE_TIMEOUT):
+    """Tells the harness this process reached `phase`; waits until it has read counters."""
+    if not sync_dir:
+        return
+    path = os.path.join(sync_dir, f"{phase}.{task}")
+    with open(path + ".tmp", "w") as f:
+        f.write(repr(time.time()))
+    os.replace(path + ".tmp", path)
+    go = os.path.join(sync_dir, f"{phase}.go")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {go} from the harness within {timeout:.0f} s")
+        time.sleep(0.002)
+
+
+def make_timer(keras, spec, asynchronous):
+    """A Keras callback timing the measured steps and marking the window's boundaries."""
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            # tf_keras: ParameterServerStrategy only accepts batch hooks that take
+            # RemoteValues; a synchronous contender's hooks get numbers (the step is done).
+            self._supports_tf_logs = asynchronous
+            self.step_times, self.start, self.end = [], None, None
+            self.last_logs, self._last = {}, None
+            self.measuring = False
+            self.warmup = spec["warmup"]
+            self.last_step = spec["warmup"] + spec["steps"] - 1
+
+        def _begin(self):
+            handshake(spec.get("sync_dir"), "start", spec["task"])
+            self.measuring = True
+            self.start = self._last = time.perf_counter()
+
+        def _finish(self):
+            self.end = time.perf_counter()
+            self.measuring = False
+            handshake(spec.get("sync_dir"), "end", spec["task"])
+
+        # Synchronous contenders: one epoch, window by steps.
+        def on_train_batch_begin(self, batch, logs=None):
+            if not asynchronous and batch == self.warmup:
+                self._begin()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if asynchronous:
+                return
+            if self.measuring:
+                now = time.perf_counter()
+                self.step_times.append(now - self._last)
+                self._last = now
+            self.last_logs = {k: float(v) for k, v in (logs or {}).items()
+                              if _is_number(v)}
+            if batch == self.last_step:
+                self._finish()
+
+        # ParameterServerStrategy: epoch 0 warms up, epoch 1 is measured.
+        def on_epoch_begin(self, epoch, logs=None):
+            if asynchronous and epoch == 1:
+                self._begin()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if asynchronous:
+                self.last_logs = {k: float(v) for k, v in (logs or {}).items()
+                                  if _is_number(v)}
+                if epoch == 1:
+                    self._finish()
+
+    return Timer()
+
+
+def _is_number(value):
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def vm_hwm_kib(pid="self"):
+    """Peak resident set (VmHWM) of a process in KiB, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+# The chief ------------------------------------------------------------------------
+
+
+def run(spec):
+    """Trains spec's model under spec's contender; writes the results JSON (task 0)."""
+    contender = spec["contender"]
+    model_spec = MODELS[spec["model"]]
+    legacy = contender in LEGACY_KERAS
+    if legacy:
+        keras = install_tf_keras_as_keras()
+        keras_name = f"tf_keras {keras.__version__}"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if not legacy:
+        import keras  # pylint: disable=import-outside-toplevel
+        keras_name = f"keras {keras.__version__}"
+    tf.get_logger().setLevel("ERROR")
+
+    started = time.perf_counter()
+    # First: on a cluster, connecting to it invalidates variables created before.
+    strategy = make_strategy(contender, spec.get("num_ps", 0))
+    module = importlib.import_module(model_spec.module)
+    if legacy:
+        _adapt_for_tf_keras(module)
+    batch = spec["global_batch"]
+    asynchronous = contender == "pss"
+    warmup_steps = spec["steps"] if asynchronous else spec["warmup"]
+    total = warmup_steps + spec["steps"]
+    data_kwargs = dict(model_spec.data)
+
+    def dataset(shards=1, index=0):
+        data = module.make_dataset(batch * total, batch, seed=0, repeat=True, **data_kwargs)
+        if shards > 1:
+            data = data.shard(shards, index)
+        if contender == "mwms":
+            options = tf.data.Options()
+            options.experimental_distribute.auto_shard_policy = (
+                tf.data.experimental.AutoShardPolicy.DATA)
+            data = data.with_options(options)
+        return data
+
+    keras.utils.set_random_seed(0)  # the same initial weights in every run
+    with strategy.scope():
+        model = module.build_model(**model_spec.build)
+        if legacy and hasattr(module, "LanguageModel"):
+            model._bench_loss = keras.metrics.Mean(name="loss")
+            model.built = True  # its build() is the Keras 3 one; the layers are built
+    timer = make_timer(keras, spec, asynchronous)
+    fit_kwargs = dict(verbose=0, callbacks=[timer], shuffle=False)
+    setup_seconds = time.perf_counter() - started
+    if asynchronous:
+        def dataset_fn(context):
+            return dataset(context.num_input_pipelines, context.input_pipeline_id)
+        train = keras.utils.experimental.DatasetCreator(dataset_fn)
+        model.fit(train, epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
+    else:
+        model.fit(dataset(), epochs=1, steps_per_epoch=total, **fit_kwargs)
+
+    seconds = timer.end - timer.start
+    steps = spec["steps"]
+    examples_per_s = steps * batch / seconds
+    result = {
+        "contender": contender,
+        "model": spec["model"],
+        "keras": keras_name,
+        "tensorflow": tf.__version__,
+        "strategy": type(strategy).__name__,
+        "architecture": HYBRID_ARCHITECTURES.get(contender),
+        "replicas_in_sync": strategy.num_replicas_in_sync,
+        "global_batch": batch,
+        "warmup_steps": warmup_steps,
+        "steps": steps,
+        "synchronous": not asynchronous,
+        "measured_seconds": seconds,
+        "step_times_s": timer.step_times,
+        "median_step_s": (statistics.median(timer.step_times) if timer.step_times
+                          else seconds / steps),
+        "median_step_is_mean": not timer.step_times,
+        "examples_per_s": examples_per_s,
+        "unit": model_spec.unit,
+        "units_per_s": examples_per_s * model_spec.units_per_example,
+        "setup_seconds": setup_seconds,
+        "last_logs": timer.last_logs,
+        "chief_vmhwm_kib": vm_hwm_kib(),
+    }
+    if contender in HYBRID_ARCHITECTURES:
+        result["placement"] = str(strategy.placement)
+    if spec.get("write_result", True):
+        tmp = spec["result"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, spec["result"])
+    return result
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m benchmarks.contenders SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    run(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A process connected to a cluster can hang in interpreter teardown while gRPC
+    # threads run: results are written, leave at once.
+    os._exit(code)

@@ -1,0 +1,374 @@
+"""Markdown tables and plots from the benchmark results in benchmarks/results/.
+
+    python -m benchmarks.report [--results benchmarks/results] [--no-plots]
+
+Reads every JSON file that `python -m benchmarks.run` wrote there and writes
+`README.md` beside them: per run, the machine (nproc, CPU, kernel), date, network and
+exact command, then the table of contenders (throughput and ratio to one process alone,
+median step time, bytes per worker per step beside the lower bound, bytes of the chief and
+ps, peak RSS per task) and the bytes of every task; then the issue's targets, met or not.
+With matplotlib it also draws, as PNG beside them, throughput against the number of
+workers per contender (one figure per model and network), and each run's bytes per
+worker per step against its lower bound. Plots need matplotlib (`pip install matplotlib`).
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ORDER = ("hybrid", "allreduce", "ps", "mwms", "pss", "single")
+
+
+# Formatting -----------------------------------------------------------------------
+
+
+def fmt_bytes(value):
+    if value is None:
+        return "n/a"
+    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def _md_escape(text):
+    return str(text).replace("|", "\\|").replace("\n", " ")[:300]
+
+
+def _ok(run, contender):
+    return next((c for c in run["contenders"]
+                 if c["contender"] == contender and c.get("status") == "ok"), None)
+
+
+def _rss_cell(c):
+    per_task = c.get("per_task") or {}
+
+    def of(job):
+        values = [e["peak_rss_mib"] for e in per_task.values()
+                  if e["job"] == job and e.get("peak_rss_mib") is not None]
+        return " / ".join(f"{v:,.0f}" for v in values) if values else "-"
+
+    return f"{of('chief')} / {of('worker')} / {of('ps')}"
+
+
+def title(run):
+    cfg = run["config"]
+    return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, global batch "
+            f"{cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
+            f"{run['network']['description']}")
+
+
+def markdown(run):
+    """The markdown tables of one run (one model, one cluster shape)."""
+    bound = run.get("lower_bound") or {}
+    single = _ok(run, "single")
+    unit = run["config"].get("unit", "examples")
+    lb = bound.get("sent_plus_received")
+    lines = [f"### {title(run)}", "",
+             f"| contender | Keras | {unit}/s | vs single | median step ms | "
+             "worker bytes/step (sent+recv) | lower bound | measured / bound | "
+             "chief bytes/step | ps bytes/step | peak RSS MiB (chief / workers / ps) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for c in run["contenders"]:
+        if c.get("status") != "ok":
+            reason = c.get("error") or c.get("status")
+            lines.append(f"| {c['contender']} | {c.get('keras', '')} | **failed**: "
+                         f"{_md_escape(reason)} | | | | | | | | |")
+            continue
+        s = c.get("summary", {})
+        alone = c["contender"] == "single"
+        ratio = f"{c['units_per_s'] / single['units_per_s']:.2f}x" if single else "n/a"
+        step = f"{c['median_step_s'] * 1000:.1f}"
+        if c.get("median_step_is_mean"):
+            step += " (mean; async)"
+        vs = ""
+        if s.get("vs_lower_bound") is not None and not alone:
+            vs = f"{s['vs_lower_bound']:.2f}"
+            if not c.get("synchronous", True):
+                vs += " (async: a worker runs 1/W of the steps)"
+        lines.append(
+            f"| {c['contender']} | {c.get('keras')} | {c['units_per_s']:,.0f} | {ratio} | "
+            f"{step} | {'0' if alone else fmt_bytes(s.get('worker_bytes_per_step_mean'))} | "
+            f"{'' if alone else fmt_bytes(lb)} | {vs} | "
+            f"{'' if alone else fmt_bytes(s.get('chief_bytes_per_step_mean'))} | "
+            f"{'' if alone else fmt_bytes(s.get('ps_bytes_per_step_mean'))} | "
+            f"{_rss_cell(c)} |")
+    for note in run.get("not_run", []):
+        lines.append(f"| {note['contender']} | | {note['reason']} | | | | | | | | |")
+    lines += ["", bound_line(bound), ""]
+    lines += per_task_table(run)
+    return "\n".join(lines)
+
+
+def bound_line(bound):
+    if not bound:
+        return "Lower bound: unavailable."
+    if bound.get("error"):
+        return f"Lower bound: failed ({_md_escape(bound['error'])})."
+    tables = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in bound["tables"].items())
+    return (f"Lower bound per worker per step (benchmarks/lower_bound.py, "
+            f"{bound['worker_share']} examples per worker): dense all-reduce "
+            f"{fmt_bytes(bound['dense_per_direction'])} + rows "
+            f"{fmt_bytes(bound['sparse_per_direction'])} each way"
+            + (f" ({tables})" if tables else "")
+            + f", so {fmt_bytes(bound['sent_plus_received'])} sent + received.")
+
+
+def per_task_table(run):
+    lines = ["| contender | task | sent/step | received/step | TCP payload sent / received "
+             "| peak RSS MiB |", "|---|---|---:|---:|---:|---:|"]
+    rows = 0
+    for c in run["contenders"]:
+        if c.get("status") != "ok" or c["contender"] == "single":
+            continue
+        for name, e in c["per_task"].items():
+            rows += 1
+            tcp = (f"{fmt_bytes(e['tcp_payload_sent_per_step'])} / "
+                   f"{fmt_bytes(e['tcp_payload_received_per_step'])}"
+                   if "tcp_payload_sent_per_step" in e else "n/a")
+            lines.append(f"| {c['contender']} | {name} | "
+                         f"{fmt_bytes(e.get('wire_sent_per_step'))} | "
+                         f"{fmt_bytes(e.get('wire_received_per_step'))} | {tcp} | "
+                         f"{e.get('peak_rss_mib') or 'n/a'} |")
+    return lines if rows else []
+
+
+# Targets (issue: "Benchmarks that prove the hybrid") ------------------------------------
+
+
+def _ratio(run, a, b):
+    x, y = _ok(run, a), _ok(run, b)
+    return x["units_per_s"] / y["units_per_s"] if x and y else None
+
+
+def _is_target_cluster(run):
+    net = run["network"]
+    return (run["config"]["workers"] == 4 and run["config"]["ps"] == 2
+            and net["mode"] == "netns" and net.get("link_gbit") == 1)
+
+
+def targets(runs):
+    """(target, measured, met) rows; measured None when no run covers the target."""
+    rows = []
+
+    def add(name, value, threshold, fmt="{:.2f}x", lower_is_better=False):
+        if value is None:
+            rows.append((name, "not measured", None))
+        else:
+            met = value <= threshold if lower_is_better else value >= threshold
+            rows.append((name, fmt.format(value), met))
+
+    lm = [r for r in runs if r["model"] == "lm" and _is_target_cluster(r)]
+    cnn = [r for r in runs if r["model"] == "cnn" and _is_target_cluster(r)]
+    add("LM, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 2x mwms tokens/s",
+        _ratio(lm[-1], "hybrid", "mwms") if lm else None, 2.0)
+    add("LM, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 1.3x ps tokens/s",
+        _ratio(lm[-1], "hybrid", "ps") if lm else None, 1.3)
+    add("CNN, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 0.95x mwms",
+        _ratio(cnn[-1], "hybrid", "mwms") if cnn else None, 0.95)
+    for run in runs:
+        hybrid = _ok(run, "hybrid")
+        value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
+        if hybrid and run["network"]["mode"] == "netns":
+            add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps: hybrid "
+                "worker bytes/step <= 1.25x lower bound", value, 1.25, "{:.2f}x",
+                lower_is_better=True)
+    quick = [r for r in runs if r.get("quick") and r.get("wall_seconds")]
+    for run in quick:
+        add(f"quick configuration ({run['model']}, {len(run['contenders'])} contenders) "
+            "under 10 minutes", run["wall_seconds"] / 60, 10.0, "{:.1f} min",
+            lower_is_better=True)
+    return rows
+
+
+# Files ----------------------------------------------------------------------------------
+
+
+def load(results_dir):
+    runs = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                run = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(run, dict) and run.get("schema") == 1 and "contenders" in run:
+            run["_file"] = os.path.basename(path)
+            runs.append(run)
+    runs.sort(key=lambda r: (r["model"], r["network"]["mode"], r["config"]["workers"],
+                             r["config"]["ps"], r["_file"]))
+    return runs
+
+
+def _group_key(run):
+    net = run["network"]
+    return (run["model"], net["mode"], net.get("link_gbit"), run["config"]["global_batch"])
+
+
+def _slug(text):
+    return "".join(ch if ch.isalnum() or ch in "-." else "-" for ch in str(text))
+
+
+def plot(runs, results_dir):
+    """Draws the PNGs; returns {run file or group: png name}."""
+    try:
+        import matplotlib  # pylint: disable=import-outside-toplevel
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise SystemExit("benchmarks/report.py draws its plots with matplotlib, which is "
+                         f"not installed ({e}): pip install matplotlib "
+                         "(or run with --no-plots for the tables only)") from e
+    made = {}
+    groups = {}
+    for run in runs:
+        groups.setdefault(_group_key(run), []).append(run)
+    for key, group in groups.items():
+        model, mode, link, batch = key
+        unit = group[0]["config"].get("unit", "examples")
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for contender in ORDER:
+            points = sorted((r["config"]["workers"], c["units_per_s"]) for r in group
+                            for c in r["contenders"]
+                            if c["contender"] == contender and c.get("status") == "ok")
+            if contender == "single":
+                points = sorted({(0, v) for _, v in points})
+                if points:
+                    ax.axhline(points[0][1], color="grey", linestyle=":",
+                               label="single (one process)")
+                continue
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                        label=contender)
+        ax.set_xlabel("workers")
+        ax.set_ylabel(f"{unit}/s")
+        network = (f"{link:g} Gbit/s links" if mode == "netns" and link else
+                   "namespaces, no limit" if mode == "netns" else "loopback")
+        ax.set_title(f"{model}: throughput vs workers ({network}, batch {batch})",
+                     fontsize=10)
+        workers = sorted({r["config"]["workers"] for r in group})
+        ax.set_xticks(workers)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        name = f"{_slug(model)}-throughput-{_slug(network)}.png"
+        fig.tight_layout()
+        fig.savefig(os.path.join(results_dir, name), dpi=110)
+        plt.close(fig)
+        made[key] = name
+    for run in runs:
+        bound = (run.get("lower_bound") or {}).get("sent_plus_received")
+        bars = [(c["contender"], c["summary"].get("worker_bytes_per_step_mean"))
+                for c in run["contenders"] if c.get("status") == "ok"
+                and c["contender"] != "single"
+                and c.get("summary", {}).get("worker_bytes_per_step_mean") is not None]
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.bar([b[0] for b in bars], [b[1] / 1e6 for b in bars], color="tab:blue",
+               label="measured (mean over workers, sent + received)")
+        if bound:
+            ax.axhline(bound / 1e6, color="tab:red", linestyle="--",
+                       label="lower bound (sent + received)")
+        ax.set_ylabel("MB per worker per step")
+        ax.set_yscale("log")
+        ax.set_title(f"{run['model']}, {run['config']['workers']} workers + "
+                     f"{run['config']['ps']} ps: bytes per step vs lower bound", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+        name = os.path.splitext(run["_file"])[0] + "-bytes.png"
+        fig.tight_layout()
+        fig.savefig(os.path.join(results_dir, name), dpi=110)
+        plt.close(fig)
+        made[run["_file"]] = name
+    return made
+
+
+def readme(runs, images):
+    lines = ["# Benchmark results", "",
+             "Generated by `python -m benchmarks.report` from the JSON files here, each "
+             "written by one `python -m benchmarks.run` (the command is given with each "
+             "table). Every contender trains the same model from `keras_examples/` with "
+             "the same global batch and data on a fresh cluster of real processes; "
+             "`benchmarks/run.py`, `benchmarks/contenders.py` and "
+             "`benchmarks/lower_bound.py` say exactly how.", "",
+             "- **Throughput** counts the measured steps only (after warm-up), examples/s "
+             "(tokens/s for the language model); *vs single* is the ratio to one process "
+             "without a strategy on the same machine.",
+             "- **Bytes** are read, with namespaces, from each task's veth counters (whole "
+             "Ethernet frames: payload plus TCP/IP headers, with GSO so fewer headers than "
+             "1500-byte frames would carry) between the two boundaries of the measured "
+             "window, divided by the measured steps; the TCP payload column is tcp_info "
+             "of the task's sockets over the same window. On loopback only the TCP "
+             "payload is known.",
+             "- **Lower bound**: `benchmarks/lower_bound.py`, per worker per step, sent + "
+             "received: ring all-reduce of the dense gradients (2(N-1)/N M each way) plus "
+             "the unique embedding rows of one worker's share of the batch, pulled and "
+             "pushed.",
+             "- `pss` (ParameterServerStrategy) is asynchronous: each step runs on one "
+             "worker with the whole global batch, so a worker moves the bytes of 1/W of "
+             "the steps, and only its mean step time is known.",
+             "- `mwms` and `pss` run under tf_keras (Keras 3 `fit` fails with "
+             "MultiWorkerMirroredStrategy on TF 2.21 and has no ParameterServerStrategy).",
+             "- All tasks share this machine's cores: the machine is named with each run "
+             "(and the load average before it: other work on the machine skews figures).",
+             ""]
+    rows = targets(runs)
+    if rows:
+        lines += ["## Targets", "", "| target | measured | met |", "|---|---:|---|"]
+        for name, value, met in rows:
+            lines.append(f"| {name} | {value} | "
+                         f"{'n/a' if met is None else 'yes' if met else '**no**'} |")
+        lines.append("")
+    by_model = {}
+    for run in runs:
+        by_model.setdefault(run["model"], []).append(run)
+    for model, group in by_model.items():
+        lines += [f"## {model}", ""]
+        key = _group_key(group[0])
+        shown = set()
+        for run in group:
+            k = _group_key(run)
+            if k in images and k not in shown:
+                shown.add(k)
+                lines += [f"![throughput vs workers]({images[k]})", ""]
+        for run in group:
+            m = run["machine"]
+            lines += [markdown(run), "",
+                      f"- file: `{run['_file']}`; date {run['date']}; machine: {m['nproc']} "
+                      f"CPUs ({m['cpu']}), {m.get('memory_gib')} GiB, kernel {m['kernel']}, "
+                      f"Python {m['python']}; load average before: "
+                      f"{m.get('loadavg_before', 0):.2f}",
+                      f"- command: `{run['command']}`"
+                      + (f"; {run['wall_seconds'] / 60:.1f} min in all"
+                         if run.get("wall_seconds") else ""), ""]
+            if run["_file"] in images:
+                lines += [f"![bytes per step vs lower bound]({images[run['_file']]})", ""]
+        del key
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report",
+                                     description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--results", default=RESULTS_DIR,
+                        help="directory of the JSON results (default: %(default)s)")
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    options = parser.parse_args(argv)
+    runs = load(options.results)
+    if not runs:
+        print(f"no results in {options.results}", file=sys.stderr)
+        return 1
+    images = {} if options.no_plots else plot(runs, options.results)
+    path = os.path.join(options.results, "README.md")
+    with open(path, "w") as f:
+        f.write(readme(runs, images))
+    print(f"wrote {path}" + (f" and {len(images)} plot(s)" if images else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,668 @@
+"""HybridStrategy against MultiWorkerMirroredStrategy, ParameterServerStrategy and one
+process alone: throughput, step time, bytes on the wire per task, peak memory per task.
+
+    python -m benchmarks.run --model recommender \\
+        --contenders hybrid,allreduce,ps,mwms,pss,single --workers 2 --ps 1 --link-gbit 1
+
+For each contender, in turn, the harness starts a fresh cluster on this machine as real
+processes, with the same model, global batch and data (benchmarks/contenders.py says what
+each contender runs):
+
+  hybrid, ps      chief + W workers + P ps; servers `python -m hybrid_strategy.server`
+  allreduce       chief + W workers (every variable mirrored: no ps needed)
+  mwms            W workers, each training (tf_keras); TF_CONFIG has worker tasks only
+  pss             chief (coordinator, tf_keras) + W workers + P ps
+  single          one process, no strategy
+
+Network: as root with `ip netns`, every task runs in its own network namespace joined to
+one bridge by a veth pair (benchmarks/netem.py), with `--link-gbit` as a tbf rate limit on
+both ends of every link, and bytes are read from the link counters (whole frames) of every
+task at the two boundaries of the measured window, which every training process marks and
+waits at. Elsewhere (or with `--loopback`) the tasks share loopback: the output says so,
+links are not limited, and bytes are the TCP payload of each process's sockets (tcp_info
+from `ss`), or unavailable if `ss` cannot tell.
+
+It prints a markdown table per model (throughput and ratio to `single`, median step time,
+bytes sent + received per worker per step beside the lower bound of benchmarks/lower_bound.py,
+per-task bytes and peak RSS) and writes everything to a JSON file (default:
+benchmarks/results/<model>-w<W>-p<P>-<network>.json), which benchmarks/report.py turns into
+benchmarks/results/README.md and plots. A contender that fails is reported with the tail
+of its output; the others still run. `--cleanup` removes leftover namespaces (hsb-*).
+"""
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import contenders as contenders_lib
+from benchmarks import netem
+from benchmarks import report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+SCHEMA = 1
+PORT = 2222  # every task has its own namespace, so all can use the same port
+HOROVOD_NOTE = ("not run: Horovod 0.28.1 does not build against TF 2.21 without a source "
+                "patch (see DESIGN.md)")
+QUICK = {"steps": 10, "warmup": 3}
+_POLL = 0.005               # seconds between looks at the phase markers
+_SERVER_START_TIMEOUT = 180.0
+_STOP_GRACE = 5.0
+_PR_SET_PDEATHSIG = 1
+_SERVING = re.compile(r"serving on")
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM: unwinds through every finally (processes, namespaces)."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+# Machine and environment ----------------------------------------------------------
+
+
+def machine():
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            mem_kib = int(f.readline().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kib = None
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu,
+            "kernel": platform.release(), "python": platform.python_version(),
+            "memory_gib": round(mem_kib / 2**20, 1) if mem_kib else None,
+            "loadavg_before": os.getloadavg()[0]}
+
+
+def _environ(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.pop("TF_CONFIG", None)
+    env.update(extra or {})
+    return env
+
+
+def _load_prctl():
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_us():
+    """preexec_fn: the kernel kills the child if the harness dies (even by SIGKILL)."""
+    parent = os.getpid()
+
+    def preexec():
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def vm_hwm_kib(pid):
+    return contenders_lib.vm_hwm_kib(pid)
+
+
+# Bytes per process without namespaces ------------------------------------------------
+
+_SS_PID = re.compile(r"pid=(\d+)")
+_SS_FIELD = re.compile(r"\b(bytes_acked|bytes_received):(\d+)")
+
+
+def tcp_bytes(namespace=None, pids=None):
+    """TCP payload bytes {pid or None: {"tx_bytes", "rx_bytes"}} over established sockets,
+    from tcp_info (`ss -tinpH`); None if ss fails. In a namespace, every socket there
+    counts (key None); otherwise sockets are attributed to `pids`."""
+    argv = (["ip", "netns", "exec", namespace] if namespace else []) + [
+        "ss", "-tinH" + ("" if namespace else "p"), "state", "established"]
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    totals = {}
+    owner = None
+    for line in done.stdout.splitlines():
+        if not line.startswith((" ", "\t")):
+            match = _SS_PID.search(line)
+            owner = int(match.group(1)) if match else None
+            if namespace:
+                owner = None
+            elif owner not in (pids or ()):
+                owner = "other"
+            continue
+        if owner == "other":
+            continue
+        fields = dict(_SS_FIELD.findall(line))
+        entry = totals.setdefault(owner, {"tx_bytes": 0, "rx_bytes": 0})
+        entry["tx_bytes"] += int(fields.get("bytes_acked", 0))
+        entry["rx_bytes"] += int(fields.get("bytes_received", 0))
+    return totals
+
+
+# One contender -------------------------------------------------------------------------
+
+
+class Task:
+    def __init__(self, name, job, index):
+        self.name, self.job, self.index = name, job, index
+        self.process = None
+        self.log = None
+
+
+def cluster_tasks(contender, workers, ps):
+    """Task list of a contender's cluster: (name, job, index)."""
+    if contender == "single":
+        return [Task("chief", "chief", 0)]
+    tasks = [] if contender == "mwms" else [Task("chief", "chief", 0)]
+    tasks += [Task(f"worker{i}", "worker", i) for i in range(workers)]
+    if contender in ("hybrid", "ps", "pss"):
+        tasks += [Task(f"ps{i}", "ps", i) for i in range(ps)]
+    return tasks
+
+
+def trainers_of(contender, tasks):
+    """Tasks that run the training program (and mark the window's boundaries)."""
+    if contender == "mwms":
+        return [t for t in tasks if t.job == "worker"]
+    return [t for t in tasks if t.job == "chief"]
+
+
+class ContenderRun:
+    """Starts one contender's cluster, follows its measured window, stops everything."""
+
+    def __init__(self, contender, options, network_mode, workdir):
+        self.contender = contender
+        self.options = options
+        self.mode = network_mode  # "netns" or "loopback"
+        self.workdir = os.path.join(workdir, contender)
+        os.makedirs(self.workdir)
+        self.sync_dir = os.path.join(self.workdir, "sync")
+        os.makedirs(self.sync_dir)
+        self.tasks = cluster_tasks(contender, options.workers, options.ps)
+        self.trainers = trainers_of(contender, self.tasks)
+        self.servers = [t for t in self.tasks if t not in self.trainers]
+        self.net = None
+        self.samples = {}  # phase -> {"counters", "tcp", "time"}
+        self.rss = {}
+        self.commands = []
+
+    # Cluster description ---------------------------------------------------------------
+
+    def _addresses(self):
+        if self.mode == "netns":
+            return {t.name: f"{self.net.address(t.name)}:{PORT}" for t in self.tasks}
+        from hybrid_strategy import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+        ports = set()
+        while len(ports) < len(self.tasks):
+            ports.add(cluster_lib.free_port("127.0.0.1"))
+        return {t.name: f"127.0.0.1:{p}" for t, p in zip(self.tasks, sorted(ports))}
+
+    def _tf_config(self, addresses, task):
+        cluster = {}
+        for t in self.tasks:
+            cluster.setdefault(t.job, []).append(addresses[t.name])
+        return json.dumps({"cluster": cluster, "task": {"type": task.job, "index": task.index}})
+
+    def _prefix(self, task):
+        if self.mode == "netns" and self.contender != "single":
+            return self.net.exec_prefix(task.name)
+        return []
+
+    def _spawn(self, task, argv, env):
+        task.log = open(os.path.join(self.workdir, f"{task.name}.log"), "w+")
+        full = self._prefix(task) + argv
+        self.commands.append({"task": task.name, "argv": shlex.join(full),
+                              "TF_CONFIG": env.get("TF_CONFIG")})
+        task.process = subprocess.Popen(
+            full, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=task.log,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_us())
+
+    # Run ------------------------------------------------------------------------------
+
+    def run(self):
+        result = {"contender": self.contender,
+                  "tasks": [t.name for t in self.tasks],
+                  "loadavg_before": os.getloadavg()[0]}
+        started = time.monotonic()
+        try:
+            if self.mode == "netns" and self.contender != "single":
+                self.net = netem.Network([t.name for t in self.tasks],
+                                         link_gbit=self.options.link_gbit)
+                self.net.start()
+                result["qdisc"] = self.net.qdisc(self.tasks[0].name)
+            addresses = self._addresses() if self.contender != "single" else {}
+            if self.contender != "single":
+                result["cluster"] = {t.name: addresses[t.name] for t in self.tasks}
+            self._start_servers(addresses)
+            self._start_trainers(addresses)
+            self._follow(started)
+            result.update(self._collect())
+            result["status"] = "ok"
+        except Interrupted:
+            raise
+        except Exception as e:  # a failed contender is reported; the others still run
+            result["status"] = "failed"
+            result["error"] = f"{type(e).__name__}: {e}"
+            result["output_tail"] = self._tails()
+        finally:
+            self._stop()
+            if self.net is not None:
+                self.net.close()
+            result["wall_seconds"] = round(time.monotonic() - started, 1)
+            result["loadavg_after"] = os.getloadavg()[0]
+            result["commands"] = self.commands
+        return result
+
+    def _start_servers(self, addresses):
+        python = sys.executable
+        for task in self.servers:
+            env = _environ({"TF_CONFIG": self._tf_config(addresses, task)})
+            self._spawn(task, [python, "-m", "hybrid_strategy.server"], env)
+        deadline = time.monotonic() + _SERVER_START_TIMEOUT
+        waiting = list(self.servers)
+        while waiting:
+            for task in list(waiting):
+                code = task.process.poll()
+                if code is not None:
+                    raise RuntimeError(f"server {task.name} exited with {code} at start-up")
+                task.log.seek(0)
+                if _SERVING.search(task.log.read()):
+                    waiting.remove(task)
+            if time.monotonic() > deadline:
+                raise TimeoutError("servers not serving after "
+                                   f"{_SERVER_START_TIMEOUT:.0f} s: "
+                                   + ", ".join(t.name for t in waiting))
+            time.sleep(0.1)
+
+    def _start_trainers(self, addresses):
+        for task in self.trainers:
+            spec = {"contender": self.contender, "model": self.options.model_name,
+                    "global_batch": self.options.global_batch, "steps": self.options.steps,
+                    "warmup": self.options.warmup, "num_ps": self.options.ps,
+                    "result": os.path.join(self.workdir, "result.json"),
+                    "sync_dir": self.sync_dir, "task": task.name,
+                    "write_result": task.index == 0}
+            spec_path = os.path.join(self.workdir, f"spec.{task.name}.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            extra = {}
+            if self.contender != "single":
+                extra["TF_CONFIG"] = self._tf_config(addresses, task)
+            if self.contender in contenders_lib.LEGACY_KERAS:
+                extra["TF_USE_LEGACY_KERAS"] = "1"
+            self._spawn(task, [sys.executable, "-m", "benchmarks.contenders", spec_path],
+                        _environ(extra))
+
+    def _follow(self, started):
+        """Answers the phase markers and waits for the trainers; bounded by --timeout."""
+        deadline = started + self.options.timeout
+        pending = ["start", "end"]
+        while True:
+            for phase in list(pending[:1]):
+                marks = [os.path.join(self.sync_dir, f"{phase}.{t.name}") for t in self.trainers]
+                if all(os.path.exists(m) for m in marks):
+                    self._sample(phase)
+                    with open(os.path.join(self.sync_dir, f"{phase}.go"), "w") as f:
+                        f.write("go")
+                    pending.remove(phase)
+            codes = [t.process.poll() for t in self.trainers]
+            failed = [(t, c) for t, c in zip(self.trainers, codes) if c not in (None, 0)]
+            if failed:
+                task, code = failed[0]
+                raise RuntimeError(f"{task.name} exited with code {code}")
+            if all(c == 0 for c in codes):
+                if pending:
+                    raise RuntimeError(f"training ended without the {pending[0]} marker")
+                return
+            for task in self.servers:
+                if task.process.poll() is not None:
+                    raise RuntimeError(f"server {task.name} exited with "
+                                       f"{task.process.returncode} during training")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not done after --timeout {self.options.timeout:.0f} s")
+            time.sleep(_POLL)
+
+    def _sample(self, phase):
+        sample = {"time": time.time()}
+        if self.net is not None:
+            sample["counters"] = self.net.counters()
+            sample["tcp"] = {t.name: (tcp_bytes(self.net.namespace(t.name)) or {}).get(None)
+                             for t in self.tasks}
+        elif self.contender != "single":
+            pids = {t.process.pid: t.name for t in self.tasks}
+            by_pid = tcp_bytes(pids=set(pids))
+            sample["tcp"] = (None if by_pid is None else
+                             {name: by_pid.get(pid, {"tx_bytes": 0, "rx_bytes": 0})
+                              for pid, name in pids.items()})
+        if phase == "end":
+            self.rss = {t.name: vm_hwm_kib(t.process.pid) for t in self.tasks}
+        self.samples[phase] = sample
+
+    def _collect(self):
+        path = os.path.join(self.workdir, "result.json")
+        with open(path) as f:
+            result = json.load(f)
+        steps = result["steps"]
+        per_task = {}
+        start, end = self.samples["start"], self.samples["end"]
+        for task in self.tasks:
+            entry = {"job": task.job, "peak_rss_mib": _mib(self.rss.get(task.name))}
+            for key, label in (("counters", "wire"), ("tcp", "tcp_payload")):
+                before = (start.get(key) or {}).get(task.name)
+                after = (end.get(key) or {}).get(task.name)
+                if before is not None and after is not None:
+                    entry[f"{label}_sent_per_step"] = (
+                        after["tx_bytes"] - before["tx_bytes"]) / steps
+                    entry[f"{label}_received_per_step"] = (
+                        after["rx_bytes"] - before["rx_bytes"]) / steps
+            per_task[task.name] = entry
+        if self.contender == "single":
+            per_task["chief"].update(wire_sent_per_step=0.0, wire_received_per_step=0.0)
+        if ("chief" in per_task and per_task["chief"].get("peak_rss_mib") is None
+                and result.get("chief_vmhwm_kib")):
+            per_task["chief"]["peak_rss_mib"] = _mib(result["chief_vmhwm_kib"])
+        result["per_task"] = per_task
+        result["bytes_source"] = ("veth counters (Ethernet frames)" if self.net is not None
+                                  else "tcp_info payload per process (ss)"
+                                  if end.get("tcp") else "unavailable")
+        return result
+
+    def _tails(self, lines=25):
+        tails = {}
+        for task in self.tasks:
+            if task.log is None:
+                continue
+            try:
+                task.log.flush()
+                task.log.seek(0)
+                text = task.log.read()
+            except (OSError, ValueError):
+                continue
+            kept = [l for l in text.splitlines()
+                    if "oneDNN" not in l and "absl::InitializeLog" not in l]
+            tails[task.name] = "\n".join(kept[-lines:])
+        return tails
+
+    def _stop(self):
+        running = [t for t in self.tasks if t.process is not None and t.process.poll() is None]
+        for task in running:
+            try:
+                os.kill(task.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _STOP_GRACE
+        for task in running:
+            try:
+                task.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                task.process.kill()
+                task.process.wait()
+        for task in self.tasks:
+            if task.log is not None and not task.log.closed:
+                task.log.close()
+
+
+def _mib(kib):
+    return None if kib is None else round(kib / 1024, 1)
+
+
+# Summary -----------------------------------------------------------------------------
+
+
+def summarize(result, bound):
+    """Adds worker byte means and the ratio to the lower bound to a contender result."""
+    per_task = result.get("per_task") or {}
+    kinds = [k for k in ("wire", "tcp_payload")
+             if any(f"{k}_sent_per_step" in e for e in per_task.values())]
+    source = kinds[0] if kinds else None
+    workers = [e for name, e in per_task.items() if e["job"] == "worker"]
+    totals = [e[f"{source}_sent_per_step"] + e[f"{source}_received_per_step"]
+              for e in workers if f"{source}_sent_per_step" in e]
+    summary = {"bytes_kind": source}
+    if totals:
+        summary["worker_bytes_per_step_mean"] = statistics.mean(totals)
+        summary["worker_bytes_per_step_max"] = max(totals)
+        if bound and bound.get("sent_plus_received"):
+            summary["vs_lower_bound"] = (summary["worker_bytes_per_step_mean"]
+                                         / bound["sent_plus_received"])
+    for job in ("chief", "ps"):
+        values = [e[f"{source}_sent_per_step"] + e[f"{source}_received_per_step"]
+                  for e in per_task.values() if e["job"] == job
+                  and f"{source}_sent_per_step" in e]
+        if values:
+            summary[f"{job}_bytes_per_step_mean"] = statistics.mean(values)
+    result["summary"] = summary
+
+
+# Main ---------------------------------------------------------------------------------
+
+
+def compute_lower_bound(model, workers, global_batch, timeout):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.lower_bound", "--model", model,
+             "--workers", str(workers), "--global-batch", str(global_batch), "--json", path],
+            env=_environ(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=timeout)
+        if done.returncode != 0:
+            tail = "\n".join(done.stdout.splitlines()[-5:])
+            return {"error": f"exit {done.returncode}: {tail}"}
+        with open(path) as f:
+            return json.load(f)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out"}
+    finally:
+        os.unlink(path)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__.split("\n\n", 1)[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Contenders: " + ", ".join(contenders_lib.CONTENDERS)
+        + ". Horovod: " + HOROVOD_NOTE + ".")
+    parser.add_argument("--model", default="recommender",
+                        help="recommender, lm or cnn (comma-separated for several)")
+    parser.add_argument("--contenders", default=",".join(contenders_lib.CONTENDERS))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--link-gbit", type=float, default=None,
+                        help="rate limit of every emulated link, Gbit/s (namespaces only)")
+    parser.add_argument("--steps", type=int, default=30, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (traced first)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: the model's (recommender 512, lm 128, cnn 128)")
+    parser.add_argument("--json", help="results file (default under benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK['steps']} measured and {QUICK['warmup']} warm-up steps")
+    parser.add_argument("--loopback", action="store_true",
+                        help="do not use network namespaces even where possible")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds one contender may take, start-up included")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove leftover namespaces (hsb-*) and exit")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep every task's output under the work directory")
+    options = parser.parse_args(argv)
+    if options.quick:
+        options.steps, options.warmup = QUICK["steps"], QUICK["warmup"]
+    options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
+    unknown = [c for c in options.contender_list
+               if c not in contenders_lib.CONTENDERS and c != "horovod"]
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from "
+                     f"{', '.join(contenders_lib.CONTENDERS)}")
+    options.models = [m.strip() for m in options.model.split(",") if m.strip()]
+    for m in options.models:
+        if m not in contenders_lib.MODELS:
+            parser.error(f"unknown model {m!r}; choose from {', '.join(contenders_lib.MODELS)}")
+    if options.workers < 1 or options.ps < 1:
+        parser.error("--workers and --ps must be at least 1")
+    if options.steps < 1 or options.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1 (the first step traces)")
+    if options.link_gbit is not None and options.link_gbit <= 0:
+        parser.error("--link-gbit must be positive")
+    if options.json and len(options.models) > 1:
+        parser.error("--json takes one model; run the models one by one")
+    return options
+
+
+def network_mode(options):
+    if options.loopback:
+        return "loopback", "--loopback given"
+    ok, why = netem.available()
+    return ("netns", "") if ok else ("loopback", why)
+
+
+def run_model(options, model, mode, why, argv):
+    options.model_name = model
+    spec = contenders_lib.MODELS[model]
+    options.global_batch = options.global_batch_arg or spec.global_batch
+    if options.global_batch % options.workers:
+        raise SystemExit(f"--global-batch {options.global_batch} must be a multiple of "
+                         f"--workers {options.workers}")
+    if not contenders_lib.model_available(model):
+        print(f"[{model}] skipped: {spec.module} does not exist yet", file=sys.stderr)
+        return None
+    if mode == "netns":
+        rate = (f"{options.link_gbit:g} Gbit/s tbf on every link" if options.link_gbit
+                else "no rate limit")
+        description = f"one network namespace per task, veth + bridge, {rate}"
+    else:
+        description = f"loopback ({why}); links not limited"
+    run_started = time.monotonic()
+    run = {
+        "schema": SCHEMA,
+        "quick": options.quick,
+        "model": model,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.run " + shlex.join(argv),
+        "machine": machine(),
+        "network": {"mode": mode, "link_gbit": options.link_gbit if mode == "netns" else None,
+                    "description": description,
+                    "fallback_reason": why if mode == "loopback" else None},
+        "config": {"workers": options.workers, "ps": options.ps,
+                   "global_batch": options.global_batch, "steps": options.steps,
+                   "warmup": options.warmup, "unit": spec.unit,
+                   "units_per_example": spec.units_per_example},
+        "contenders": [],
+        "not_run": [],
+    }
+    print(f"[{model}] network: {description}", file=sys.stderr, flush=True)
+    print(f"[{model}] lower bound ...", file=sys.stderr, flush=True)
+    run["lower_bound"] = compute_lower_bound(model, options.workers, options.global_batch,
+                                             options.timeout)
+    if "error" not in run["lower_bound"]:
+        from benchmarks import lower_bound  # pylint: disable=import-outside-toplevel
+        print(lower_bound.describe(run["lower_bound"]), file=sys.stderr, flush=True)
+    workdir = tempfile.mkdtemp(prefix=f"hsb-{model}-")
+    try:
+        for contender in options.contender_list:
+            if contender != "horovod":
+                run["contenders"].append(run_contender(contender, options, mode, workdir,
+                                                       run["lower_bound"], model))
+    finally:
+        if options.keep_logs:
+            run["workdir"] = workdir
+            print(f"[{model}] task logs kept in {workdir}", file=sys.stderr)
+        else:
+            _remove_tree(workdir)
+    run["not_run"].append({"contender": "horovod", "reason": HOROVOD_NOTE})
+    run["wall_seconds"] = round(time.monotonic() - run_started, 1)
+    network = ("loopback" if mode != "netns" else
+               f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
+    path = options.json or os.path.join(
+        RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}"
+        f"{'-quick' if options.quick else ''}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(run, f, indent=1)
+    print(report.markdown(run))
+    print(f"\nresults: {os.path.relpath(path)}", flush=True)
+    return run
+
+
+def run_contender(contender, options, mode, workdir, bound, model):
+    print(f"[{model}] {contender} ...", file=sys.stderr, flush=True)
+    result = ContenderRun(contender, options, mode, workdir).run()
+    if result["status"] == "ok":
+        summarize(result, bound)
+        print(f"[{model}] {contender}: {result['units_per_s']:,.0f} {result['unit']}/s, "
+              f"median step {result['median_step_s'] * 1000:.1f} ms, "
+              f"{result['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
+    else:
+        print(f"[{model}] {contender} FAILED: {result['error']}\n"
+              + "\n".join(f"--- {k}:\n{v}" for k, v in result["output_tail"].items()),
+              file=sys.stderr, flush=True)
+    return result
+
+
+def _remove_tree(path):
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = parse(argv)
+    if options.cleanup:
+        removed = netem.cleanup()
+        print(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}"
+                                                        if removed else ""))
+        return 0
+    options.global_batch_arg = options.global_batch
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        mode, why = network_mode(options)
+        if mode == "loopback":
+            print(f"network namespaces not used ({why}): tasks share loopback, links are "
+                  "not limited, bytes are TCP payload per process where ss can tell",
+                  file=sys.stderr, flush=True)
+        runs = [run_model(options, model, mode, why, argv) for model in options.models]
+    except Interrupted as e:
+        print(f"interrupted ({e}); processes and namespaces removed", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    ok = all(c.get("status") == "ok" for r in runs if r for c in r["contenders"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
