@@ -70,7 +70,7 @@ MODELS = {
     "lm": ModelSpec("keras_examples.language_model", "tokens", 128,
                     units_per_example=LM_SEQ_LEN, build={"seq_len": LM_SEQ_LEN},
                     data={"seq_len": LM_SEQ_LEN}),
-    "cnn": ModelSpec("keras_examples.cnn", "examples", 128),
+    "cnn": ModelSpec("keras_examples.cnn", "examples", 256),
 }
 
 
