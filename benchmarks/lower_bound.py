@@ -23,6 +23,13 @@ the rows in both; per direction, as here, the all-reduce term is the same and th
 count once, and the total counts both directions of both.) With one worker nothing has
 to move: the bound is 0.
 
+The dense term is the bound for workers that all-reduce among themselves (hybrid,
+allreduce, MultiWorkerMirroredStrategy). Where dense variables live on separate
+parameter servers instead, a worker pushes its gradient and pulls the new value, M each
+way, which is less than 2(N-1)/N * M once N > 2; the servers then carry N * M / P each
+way. So an all-PS layout can read below this bound per worker (`dense_via_ps_per_direction`
+gives M for comparison).
+
 Which variables get sparse gradients, and how many unique rows a worker's share touches,
 is read from the model itself: one worker's share of each of the first `--samples`
 global batches of the model's own `make_dataset` is run through `model.compute_loss`
@@ -61,7 +68,8 @@ def lower_bound(dense_bytes, tables, workers):
     per_table = {t.name: t.bytes_per_direction(workers) for t in tables}
     sparse = sum(per_table.values())
     return {"workers": workers, "dense_bytes": dense_bytes,
-            "dense_per_direction": dense, "sparse_per_direction": sparse,
+            "dense_per_direction": dense,
+            "dense_via_ps_per_direction": dense_bytes if workers > 1 else 0, "sparse_per_direction": sparse,
             "per_direction": dense + sparse, "sent_plus_received": 2 * (dense + sparse),
             "tables": per_table}
 
