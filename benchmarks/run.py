@@ -34,6 +34,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -93,6 +94,21 @@ def machine():
             "kernel": platform.release(), "python": platform.python_version(),
             "memory_gib": round(mem_kib / 2**20, 1) if mem_kib else None,
             "loadavg_before": os.getloadavg()[0]}
+
+
+def code_version():
+    """The commit of this repository and whether files differ from it."""
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": changed.splitlines() if changed else []}
 
 
 def _environ(extra=None):
@@ -203,11 +219,11 @@ def trainers_of(contender, tasks):
 class ContenderRun:
     """Starts one contender's cluster, follows its measured window, stops everything."""
 
-    def __init__(self, contender, options, network_mode, workdir):
+    def __init__(self, contender, options, network_mode, workdir, round_index=0):
         self.contender = contender
         self.options = options
         self.mode = network_mode  # "netns" or "loopback"
-        self.workdir = os.path.join(workdir, contender)
+        self.workdir = os.path.join(workdir, f"{contender}-{round_index}")
         os.makedirs(self.workdir)
         self.sync_dir = os.path.join(self.workdir, "sync")
         os.makedirs(self.sync_dir)
@@ -376,6 +392,7 @@ class ContenderRun:
         with open(path) as f:
             result = json.load(f)
         steps = result["steps"]
+        _check_result(result, self.options, self.contender)
         per_task = {}
         start, end = self.samples["start"], self.samples["end"]
         for task in self.tasks:
@@ -433,6 +450,24 @@ class ContenderRun:
         for task in self.tasks:
             if task.log is not None and not task.log.closed:
                 task.log.close()
+
+
+def _check_result(result, options, contender):
+    """Refuses a result that does not describe the run that was asked for."""
+    problems = []
+    if result.get("contender") != contender or result.get("model") != options.model_name:
+        problems.append(f"it names {result.get('contender')}/{result.get('model')}")
+    if result.get("steps") != options.steps or result.get("global_batch") != options.global_batch:
+        problems.append(f"{result.get('steps')} steps of batch {result.get('global_batch')}")
+    if result.get("synchronous") and len(result.get("step_times_s") or ()) != options.steps:
+        problems.append(f"{len(result.get('step_times_s') or ())} step times")
+    if not result.get("measured_seconds", 0) > 0:
+        problems.append("no measured time")
+    loss = (result.get("last_logs") or {}).get("loss")
+    if loss is not None and not math.isfinite(loss):
+        problems.append(f"loss {loss}")
+    if problems:
+        raise RuntimeError("inconsistent result: " + "; ".join(problems))
 
 
 def _mib(kib):
@@ -506,12 +541,15 @@ def parse(argv):
     parser.add_argument("--steps", type=int, default=30, help="measured steps")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (traced first)")
     parser.add_argument("--global-batch", type=int, default=None,
-                        help="default: the model's (recommender 512, lm 128, cnn 128)")
+                        help="default: the model's (recommender 512, lm 128, cnn 256)")
     parser.add_argument("--json", help="results file (default under benchmarks/results/)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['steps']} measured and {QUICK['warmup']} warm-up steps")
     parser.add_argument("--loopback", action="store_true",
                         help="do not use network namespaces even where possible")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every contender this many times, in rounds, and report "
+                        "the run of median throughput (all throughputs are kept)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds one contender may take, start-up included")
     parser.add_argument("--cleanup", action="store_true",
@@ -535,6 +573,8 @@ def parse(argv):
         parser.error("--workers and --ps must be at least 1")
     if options.steps < 1 or options.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step traces)")
+    if options.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if options.link_gbit is not None and options.link_gbit <= 0:
         parser.error("--link-gbit must be positive")
     if options.json and len(options.models) > 1:
@@ -573,11 +613,13 @@ def run_model(options, model, mode, why, argv):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks.run " + shlex.join(argv),
         "machine": machine(),
+        "code": code_version(),
         "network": {"mode": mode, "link_gbit": options.link_gbit if mode == "netns" else None,
                     "description": description,
                     "fallback_reason": why if mode == "loopback" else None},
         "config": {"workers": options.workers, "ps": options.ps,
                    "global_batch": options.global_batch, "steps": options.steps,
+                   "repeats": options.repeats,
                    "warmup": options.warmup, "unit": spec.unit,
                    "units_per_example": spec.units_per_example},
         "contenders": [],
@@ -592,10 +634,14 @@ def run_model(options, model, mode, why, argv):
         print(lower_bound.describe(run["lower_bound"]), file=sys.stderr, flush=True)
     workdir = tempfile.mkdtemp(prefix=f"hsb-{model}-")
     try:
-        for contender in options.contender_list:
-            if contender != "horovod":
-                run["contenders"].append(run_contender(contender, options, mode, workdir,
-                                                       run["lower_bound"], model))
+        attempts = {c: [] for c in options.contender_list if c != "horovod"}
+        # Rounds of every contender in turn, so that load from elsewhere on the machine
+        # drifts over all of them alike.
+        for round_index in range(options.repeats):
+            for contender, results in attempts.items():
+                results.append(run_contender(contender, options, mode, workdir,
+                                             run["lower_bound"], model, round_index))
+        run["contenders"] = [median_of(results) for results in attempts.values()]
     finally:
         if options.keep_logs:
             run["workdir"] = workdir
@@ -617,9 +663,26 @@ def run_model(options, model, mode, why, argv):
     return run
 
 
-def run_contender(contender, options, mode, workdir, bound, model):
-    print(f"[{model}] {contender} ...", file=sys.stderr, flush=True)
-    result = ContenderRun(contender, options, mode, workdir).run()
+def median_of(results):
+    """The run of median throughput among the successful ones (the last failure if none
+    succeeded), with every run's throughput under "repeats" when there were several."""
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["units_per_s"])
+    if not ok:
+        return results[-1]
+    chosen = dict(ok[(len(ok) - 1) // 2])
+    if len(results) > 1:
+        chosen["repeats"] = {"units_per_s": [r.get("units_per_s") for r in results],
+                             "median_step_s": [r.get("median_step_s") for r in results],
+                             "status": [r["status"] for r in results],
+                             "errors": [r["error"] for r in results if r["status"] != "ok"]}
+    return chosen
+
+
+def run_contender(contender, options, mode, workdir, bound, model, round_index=0):
+    label = f"{contender}" + (f" (round {round_index + 1}/{options.repeats})"
+                              if options.repeats > 1 else "")
+    print(f"[{model}] {label} ...", file=sys.stderr, flush=True)
+    result = ContenderRun(contender, options, mode, workdir, round_index).run()
     if result["status"] == "ok":
         summarize(result, bound)
         print(f"[{model}] {contender}: {result['units_per_s']:,.0f} {result['unit']}/s, "
