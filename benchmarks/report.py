@@ -56,9 +56,11 @@ def _rss_cell(c):
 
 def title(run):
     cfg = run["config"]
+    repeats = cfg.get("repeats", 1)
     return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, global batch "
-            f"{cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps, "
-            f"{run['network']['description']}")
+            f"{cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps"
+            + (f", median of {repeats} runs" if repeats > 1 else "")
+            + f"{' (--quick)' if run.get('quick') else ''}, {run['network']['description']}")
 
 
 def markdown(run):
@@ -89,8 +91,12 @@ def markdown(run):
             vs = f"{s['vs_lower_bound']:.2f}"
             if not c.get("synchronous", True):
                 vs += " (async: a worker runs 1/W of the steps)"
+        throughput = f"{c['units_per_s']:,.0f}"
+        spread = [v for v in (c.get("repeats") or {}).get("units_per_s", []) if v]
+        if len(spread) > 1:
+            throughput += f" ({min(spread):,.0f}-{max(spread):,.0f}, {len(spread)} runs)"
         lines.append(
-            f"| {c['contender']} | {c.get('keras')} | {c['units_per_s']:,.0f} | {ratio} | "
+            f"| {c['contender']} | {c.get('keras')} | {throughput} | {ratio} | "
             f"{step} | {'0' if alone else fmt_bytes(s.get('worker_bytes_per_step_mean'))} | "
             f"{'' if alone else fmt_bytes(lb)} | {vs} | "
             f"{'' if alone else fmt_bytes(s.get('chief_bytes_per_step_mean'))} | "
@@ -161,21 +167,27 @@ def targets(runs):
             met = value <= threshold if lower_is_better else value >= threshold
             rows.append((name, fmt.format(value), met))
 
-    lm = [r for r in runs if r["model"] == "lm" and _is_target_cluster(r)]
-    cnn = [r for r in runs if r["model"] == "cnn" and _is_target_cluster(r)]
+    def headline(model):
+        """The full (not --quick) run on the target cluster with the most repeats."""
+        found = [r for r in runs if r["model"] == model and _is_target_cluster(r)
+                 and not r.get("quick")]
+        found.sort(key=lambda r: (r["config"].get("repeats", 1), r["date"]))
+        return found[-1] if found else None
+
+    lm, cnn = headline("lm"), headline("cnn")
     add("LM, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 2x mwms tokens/s",
-        _ratio(lm[-1], "hybrid", "mwms") if lm else None, 2.0)
+        _ratio(lm, "hybrid", "mwms") if lm else None, 2.0)
     add("LM, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 1.3x ps tokens/s",
-        _ratio(lm[-1], "hybrid", "ps") if lm else None, 1.3)
-    add("CNN, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 0.95x mwms",
-        _ratio(cnn[-1], "hybrid", "mwms") if cnn else None, 0.95)
+        _ratio(lm, "hybrid", "ps") if lm else None, 1.3)
+    add("CNN, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 0.95x mwms examples/s",
+        _ratio(cnn, "hybrid", "mwms") if cnn else None, 0.95)
     for run in runs:
         hybrid = _ok(run, "hybrid")
         value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
-        if hybrid and run["network"]["mode"] == "netns":
-            add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps: hybrid "
-                "worker bytes/step <= 1.25x lower bound", value, 1.25, "{:.2f}x",
-                lower_is_better=True)
+        if value is not None and run["network"]["mode"] == "netns":
+            add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps"
+                f"{' (--quick)' if run.get('quick') else ''}: hybrid worker bytes/step "
+                "<= 1.25x lower bound", value, 1.25, "{:.2f}x", lower_is_better=True)
     quick = [r for r in runs if r.get("quick") and r.get("wall_seconds")]
     for run in quick:
         add(f"quick configuration ({run['model']}, {len(run['contenders'])} contenders) "
@@ -218,6 +230,7 @@ def plot(runs, results_dir):
         import matplotlib  # pylint: disable=import-outside-toplevel
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+        import matplotlib.ticker  # pylint: disable=import-outside-toplevel
     except ImportError as e:
         raise SystemExit("benchmarks/report.py draws its plots with matplotlib, which is "
                          f"not installed ({e}): pip install matplotlib "
@@ -225,7 +238,8 @@ def plot(runs, results_dir):
     made = {}
     groups = {}
     for run in runs:
-        groups.setdefault(_group_key(run), []).append(run)
+        if not run.get("quick"):  # the throughput plots show the full runs
+            groups.setdefault(_group_key(run), []).append(run)
     for key, group in groups.items():
         model, mode, link, batch = key
         unit = group[0]["config"].get("unit", "examples")
@@ -234,11 +248,11 @@ def plot(runs, results_dir):
             points = sorted((r["config"]["workers"], c["units_per_s"]) for r in group
                             for c in r["contenders"]
                             if c["contender"] == contender and c.get("status") == "ok")
-            if contender == "single":
-                points = sorted({(0, v) for _, v in points})
+            if contender == "single":  # measured again in every run: shows the noise
                 if points:
-                    ax.axhline(points[0][1], color="grey", linestyle=":",
-                               label="single (one process)")
+                    ax.scatter([p[0] for p in points], [p[1] for p in points], marker="x",
+                               color="grey", zorder=3,
+                               label="single (one process, in the same run)")
                 continue
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
@@ -261,13 +275,14 @@ def plot(runs, results_dir):
         made[key] = name
     for run in runs:
         bound = (run.get("lower_bound") or {}).get("sent_plus_received")
-        bars = [(c["contender"], c["summary"].get("worker_bytes_per_step_mean"))
+        bars = [(c["contender"] + ("\n(async)" if not c.get("synchronous", True) else ""),
+                 c["summary"].get("worker_bytes_per_step_mean"))
                 for c in run["contenders"] if c.get("status") == "ok"
                 and c["contender"] != "single"
                 and c.get("summary", {}).get("worker_bytes_per_step_mean") is not None]
         if not bars:
             continue
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, ax = plt.subplots(figsize=(6.4, 4.6))
         ax.bar([b[0] for b in bars], [b[1] / 1e6 for b in bars], color="tab:blue",
                label="measured (mean over workers, sent + received)")
         if bound:
@@ -275,10 +290,12 @@ def plot(runs, results_dir):
                        label="lower bound (sent + received)")
         ax.set_ylabel("MB per worker per step")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_title(f"{run['model']}, {run['config']['workers']} workers + "
                      f"{run['config']['ps']} ps: bytes per step vs lower bound", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
         name = os.path.splitext(run["_file"])[0] + "-bytes.png"
         fig.tight_layout()
         fig.savefig(os.path.join(results_dir, name), dpi=110)
@@ -307,7 +324,10 @@ def readme(runs, images):
              "- **Lower bound**: `benchmarks/lower_bound.py`, per worker per step, sent + "
              "received: ring all-reduce of the dense gradients (2(N-1)/N M each way) plus "
              "the unique embedding rows of one worker's share of the batch, pulled and "
-             "pushed.",
+             "pushed. It assumes workers all-reduce dense gradients among themselves; "
+             "where dense variables live on parameter servers (`ps`, `pss`) a worker moves "
+             "M each way instead of 2(N-1)/N M, so those can read below it per worker "
+             "(the servers carry the rest).",
              "- `pss` (ParameterServerStrategy) is asynchronous: each step runs on one "
              "worker with the whole global batch, so a worker moves the bytes of 1/W of "
              "the steps, and only its mean step time is known.",
@@ -342,6 +362,10 @@ def readme(runs, images):
                       f"CPUs ({m['cpu']}), {m.get('memory_gib')} GiB, kernel {m['kernel']}, "
                       f"Python {m['python']}; load average before: "
                       f"{m.get('loadavg_before', 0):.2f}",
+                      f"- code: commit {(run.get('code') or {}).get('commit') or 'unknown'}"
+                      + (f", with local changes to "
+                         f"{', '.join(f.split()[-1] for f in run['code']['modified_files'])}"
+                         if (run.get('code') or {}).get('modified_files') else ""),
                       f"- command: `{run['command']}`"
                       + (f"; {run['wall_seconds'] / 60:.1f} min in all"
                          if run.get("wall_seconds") else ""), ""]
