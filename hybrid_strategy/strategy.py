@@ -211,12 +211,13 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         table_lib.install_keras_hook()
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if self.cluster is not None and _inside_while_loop():
+        if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():
             raise NotImplementedError(
-                "HybridStrategy on a cluster runs one training step per call: a step "
-                "inside a tf.while_loop (Keras compile(steps_per_execution=N) with N > 1) "
-                "cannot run across remote tasks on TensorFlow 2.21 (its loop variables "
-                "are not sent to the other tasks). Use steps_per_execution=1, the default.")
+                "HybridStrategy runs one training step per call when it spans several "
+                "devices or tasks: a step inside a tf.while_loop (Keras "
+                "compile(steps_per_execution=N) with N > 1) fails on TensorFlow 2.21 "
+                "when the loop spans devices (its loop variables are not sent to the "
+                "other devices). Use steps_per_execution=1, the default.")
         return super()._call_for_each_replica(fn, args, kwargs)
 
     # Variable creation -------------------------------------------------------

@@ -337,7 +337,7 @@ def large_table_case(make_strategy, rows=100_000, dim=64):
 
 
 def multi_step_case(make_strategy):
-    """`compile(steps_per_execution=2)`: trains on one machine, a clear error on a cluster."""
+    """`compile(steps_per_execution=2)` over several replicas: a clear error."""
     strategy = make_strategy()
     with strategy.scope():
         model = build_model()

@@ -156,9 +156,6 @@ def test_every_example_used_once_per_epoch(report, source):
     assert counted["loss_finite"]
 
 
-def test_steps_per_execution_above_one_is_refused_on_a_cluster_only(report):
-    shape, result = report
-    if num_ps(shape):
-        assert "Use steps_per_execution=1" in result["multi_step"]["error"]
-    else:
-        assert result["multi_step"] == {"error": None, "loss_finite": True}
+def test_steps_per_execution_above_one_is_refused_over_several_replicas(report):
+    _, result = report
+    assert "Use steps_per_execution=1" in result["multi_step"]["error"]
