@@ -17,5 +17,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # Plots of benchmarks/results (python -m benchmarks.report).
+        "bench": ["matplotlib"],
     },
 )
