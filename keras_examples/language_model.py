@@ -70,7 +70,6 @@ tokens/s is examples/s times `--seq_len`.
 
 import functools
 import math
-import time
 
 from absl import app
 from absl import flags
@@ -79,7 +78,10 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-import hybrid_strategy
+try:
+    from keras_examples import common
+except ImportError:  # run as a script: keras_examples/ itself is on sys.path
+    import common
 
 FLAGS = flags.FLAGS
 
@@ -348,44 +350,12 @@ def build_model(vocab=100_000, embedding_dim=128, lstm_units=256, num_sampled=10
 
 # Training -----------------------------------------------------------------------------
 
-class StepRate(keras.callbacks.Callback):
-    """Training steps per second of each epoch, validation excluded."""
-
-    def __init__(self):
-        super().__init__()
-        self.rates = []
-        self._start = self._end = None
-        self._steps = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start, self._steps = time.perf_counter(), 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        # Keras hands this (not async-safe) callback the step's logs as Python numbers,
-        # so the step has finished when the clock is read.
-        self._end = time.perf_counter()
-        self._steps += 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        # Runs after validation; the clock stopped at the last training step.
-        if self._steps:
-            self.rates.append(self._steps / (self._end - self._start))
-
-
 class Perplexity(keras.callbacks.Callback):
     """Adds val_perplexity = exp(val_loss) to each epoch's logs (and progress bar)."""
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None and "val_loss" in logs:
             logs["val_perplexity"] = math.exp(min(logs["val_loss"], 700.0))
-
-
-def make_strategy(name, architecture):
-    if name == "hybrid":
-        return hybrid_strategy.HybridStrategy(architecture=architecture)
-    if name == "mirrored":
-        return tf.distribute.MirroredStrategy()
-    return tf.distribute.get_strategy()
 
 
 def main(argv):
@@ -402,7 +372,7 @@ def main(argv):
     tf.get_logger().setLevel("WARNING")
     logging.set_verbosity(logging.WARNING)
     # First: on a cluster, connecting to it invalidates variables created before.
-    strategy = make_strategy(FLAGS.strategy, FLAGS.architecture)
+    strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
 
     train = make_dataset(FLAGS.examples, FLAGS.batch_size, FLAGS.vocab, FLAGS.seq_len,
                          seed=FLAGS.seed, repeat=True)
@@ -416,7 +386,7 @@ def main(argv):
     if FLAGS.strategy == "hybrid":
         print(strategy.placement)
 
-    rate = StepRate()
+    rate = common.StepRate()
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
                         validation_data=validation, shuffle=False,
                         callbacks=[rate, Perplexity()], verbose=FLAGS.verbose)

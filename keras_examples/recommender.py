@@ -26,7 +26,6 @@ where steps/s is measured over the training steps of the last epoch (the first e
 also traces the training function, so it is left out when there is more than one).
 """
 
-import time
 
 from absl import app
 from absl import flags
@@ -34,7 +33,10 @@ import numpy as np
 import tensorflow as tf
 import keras
 
-import hybrid_strategy
+try:
+    from keras_examples import common
+except ImportError:  # run as a script: keras_examples/ itself is on sys.path
+    import common
 
 FLAGS = flags.FLAGS
 
@@ -147,38 +149,6 @@ def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=
     return model
 
 
-class StepRate(keras.callbacks.Callback):
-    """Training steps per second of each epoch, validation excluded."""
-
-    def __init__(self):
-        super().__init__()
-        self.rates = []
-        self._start = self._end = None
-        self._steps = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start, self._steps = time.perf_counter(), 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        # Keras hands this (not async-safe) callback the step's logs as Python numbers,
-        # so the step has finished when the clock is read.
-        self._end = time.perf_counter()
-        self._steps += 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        # Runs after validation; the clock stopped at the last training step.
-        if self._steps:
-            self.rates.append(self._steps / (self._end - self._start))
-
-
-def make_strategy(name, architecture):
-    if name == "hybrid":
-        return hybrid_strategy.HybridStrategy(architecture=architecture)
-    if name == "mirrored":
-        return tf.distribute.MirroredStrategy()
-    return tf.distribute.get_strategy()
-
-
 def main(argv):
     del argv
     if FLAGS.epochs < 1 or FLAGS.steps_per_epoch < 1:
@@ -190,7 +160,7 @@ def main(argv):
     # progress bar.
     tf.get_logger().setLevel("WARNING")
     # First: on a cluster, connecting to it invalidates variables created before.
-    strategy = make_strategy(FLAGS.strategy, FLAGS.architecture)
+    strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
     table_sizes = tuple(int(s) for s in FLAGS.table_sizes)
     hidden_units = tuple(int(u) for u in FLAGS.hidden_units)
 
@@ -205,7 +175,7 @@ def main(argv):
     if FLAGS.strategy == "hybrid":
         print(strategy.placement)
 
-    rate = StepRate()
+    rate = common.StepRate()
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
                         validation_data=validation, shuffle=False, callbacks=[rate],
                         verbose=FLAGS.verbose)
