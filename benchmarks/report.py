@@ -188,6 +188,9 @@ def targets(runs):
             add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps"
                 f"{' (--quick)' if run.get('quick') else ''}: hybrid worker bytes/step "
                 "<= 1.25x lower bound", value, 1.25, "{:.2f}x", lower_is_better=True)
+    rows.append(("Loopback, the design spike's model (200k x 64 embedding, Dense 256, "
+                 "batch 256, 2 workers): beat 12.5 steps/s", "not measured here: not one "
+                 "of the example models", None))
     quick = [r for r in runs if r.get("quick") and r.get("wall_seconds")]
     for run in quick:
         add(f"quick configuration ({run['model']}, {len(run['contenders'])} contenders) "
@@ -233,7 +236,7 @@ def plot(runs, results_dir):
         import matplotlib.ticker  # pylint: disable=import-outside-toplevel
     except ImportError as e:
         raise SystemExit("benchmarks/report.py draws its plots with matplotlib, which is "
-                         f"not installed ({e}): pip install matplotlib "
+                         f"not installed ({e}): pip install matplotlib (or pip install -e .[bench]) "
                          "(or run with --no-plots for the tables only)") from e
     made = {}
     groups = {}
