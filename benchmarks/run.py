@@ -107,8 +107,10 @@ def code_version():
         return done.stdout.strip() if done.returncode == 0 else None
 
     changed = git("status", "--porcelain", "--untracked-files=no")
+    # Result files (this run writes some) say nothing about the code measured.
+    paths = [line[3:] for line in (changed or "").splitlines()]
     return {"commit": git("rev-parse", "HEAD"),
-            "modified_files": changed.splitlines() if changed else []}
+            "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
 
 
 def _environ(extra=None):
