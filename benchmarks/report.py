@@ -43,6 +43,22 @@ def _ok(run, contender):
                  if c["contender"] == contender and c.get("status") == "ok"), None)
 
 
+def _modified(run):
+    """Files that differed from the commit, results excluded (runs write those)."""
+    files = [f.split()[-1] for f in (run.get("code") or {}).get("modified_files", [])]
+    return [f for f in files if not f.startswith("benchmarks/results/")]
+
+
+def _loss_cell(c):
+    loss = (c.get("last_logs") or {}).get("loss")
+    if loss is None:
+        return ""
+    text = f"{loss:.3f}"
+    if c["contender"] == "mwms" and c.get("replicas_in_sync", 1) > 1:
+        text += f" (tf_keras logs it x{c['replicas_in_sync']} under MWMS)"
+    return text
+
+
 def _rss_cell(c):
     per_task = c.get("per_task") or {}
 
@@ -72,13 +88,14 @@ def markdown(run):
     lines = [f"### {title(run)}", "",
              f"| contender | Keras | {unit}/s | vs single | median step ms | "
              "worker bytes/step (sent+recv) | lower bound | measured / bound | "
-             "chief bytes/step | ps bytes/step | peak RSS MiB (chief / workers / ps) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "chief bytes/step | ps bytes/step | peak RSS MiB (chief / workers / ps) | "
+             "last loss logged |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for c in run["contenders"]:
         if c.get("status") != "ok":
             reason = c.get("error") or c.get("status")
             lines.append(f"| {c['contender']} | {c.get('keras', '')} | **failed**: "
-                         f"{_md_escape(reason)} | | | | | | | | |")
+                         f"{_md_escape(reason)} | | | | | | | | | |")
             continue
         s = c.get("summary", {})
         alone = c["contender"] == "single"
@@ -101,9 +118,9 @@ def markdown(run):
             f"{'' if alone else fmt_bytes(lb)} | {vs} | "
             f"{'' if alone else fmt_bytes(s.get('chief_bytes_per_step_mean'))} | "
             f"{'' if alone else fmt_bytes(s.get('ps_bytes_per_step_mean'))} | "
-            f"{_rss_cell(c)} |")
+            f"{_rss_cell(c)} | {_loss_cell(c)} |")
     for note in run.get("not_run", []):
-        lines.append(f"| {note['contender']} | | {note['reason']} | | | | | | | | |")
+        lines.append(f"| {note['contender']} | | {note['reason']} | | | | | | | | | |")
     lines += ["", bound_line(bound), ""]
     lines += per_task_table(run)
     return "\n".join(lines)
@@ -246,7 +263,7 @@ def plot(runs, results_dir):
     for key, group in groups.items():
         model, mode, link, batch = key
         unit = group[0]["config"].get("unit", "examples")
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        fig, ax = plt.subplots(figsize=(6.4, 4.8))
         for contender in ORDER:
             points = sorted((r["config"]["workers"], c["units_per_s"]) for r in group
                             for c in r["contenders"]
@@ -270,7 +287,7 @@ def plot(runs, results_dir):
         ax.set_xticks(workers)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
         name = f"{_slug(model)}-throughput-{_slug(network)}.png"
         fig.tight_layout()
         fig.savefig(os.path.join(results_dir, name), dpi=110)
@@ -334,6 +351,11 @@ def readme(runs, images):
              "- `pss` (ParameterServerStrategy) is asynchronous: each step runs on one "
              "worker with the whole global batch, so a worker moves the bytes of 1/W of "
              "the steps, and only its mean step time is known.",
+             "- *last loss logged* is the training loss Keras reported at the end, to "
+             "show that each contender trained the same model: under "
+             "MultiWorkerMirroredStrategy tf_keras logs N times the loss (the figures are "
+             "exactly N times the others'), and asynchronous `pss` can diverge on the "
+             "language model with 4 workers.",
              "- `mwms` and `pss` run under tf_keras (Keras 3 `fit` fails with "
              "MultiWorkerMirroredStrategy on TF 2.21 and has no ParameterServerStrategy).",
              "- All tasks share this machine's cores: the machine is named with each run "
@@ -366,9 +388,8 @@ def readme(runs, images):
                       f"Python {m['python']}; load average before: "
                       f"{m.get('loadavg_before', 0):.2f}",
                       f"- code: commit {(run.get('code') or {}).get('commit') or 'unknown'}"
-                      + (f", with local changes to "
-                         f"{', '.join(f.split()[-1] for f in run['code']['modified_files'])}"
-                         if (run.get('code') or {}).get('modified_files') else ""),
+                      + (f", with local changes to {', '.join(_modified(run))}"
+                         if _modified(run) else ""),
                       f"- command: `{run['command']}`"
                       + (f"; {run['wall_seconds'] / 60:.1f} min in all"
                          if run.get("wall_seconds") else ""), ""]
