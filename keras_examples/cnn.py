@@ -46,7 +46,6 @@ import functools
 
 from absl import app
 from absl import flags
-from absl import logging
 import numpy as np
 import tensorflow as tf
 import keras
@@ -57,31 +56,6 @@ except ImportError:  # run as a script: keras_examples/ itself is on sys.path
     import common
 
 FLAGS = flags.FLAGS
-
-flags.DEFINE_enum("strategy", "hybrid", ["hybrid", "mirrored", "none"],
-                  "hybrid: HybridStrategy (the cluster in TF_CONFIG, else this machine); "
-                  "mirrored: tf.distribute.MirroredStrategy on this machine; "
-                  "none: TensorFlow's default strategy.")
-flags.DEFINE_enum("architecture", "hybrid", ["hybrid", "allreduce", "ps"],
-                  "HybridStrategy only: hybrid (embeddings on PS, the rest mirrored: here "
-                  "everything is mirrored), allreduce (everything mirrored) or ps "
-                  "(everything on PS).")
-flags.DEFINE_integer("epochs", 3, "Training epochs.")
-flags.DEFINE_integer("steps_per_epoch", 50, "Training steps per epoch.")
-flags.DEFINE_integer("batch_size", 256, "Global batch size, split across replicas.")
-flags.DEFINE_integer("examples", 256 * 50,
-                     "Training images generated (the data repeats if an epoch needs more).")
-flags.DEFINE_integer("validation_examples", 2048, "Held-out images generated.")
-flags.DEFINE_integer("image_size", 32, "Height and width of the images (a multiple of 8).")
-flags.DEFINE_integer("num_classes", 10, "Classes.")
-flags.DEFINE_list("filters", ["16", "32", "64"],
-                  "Filters of each convolution block (3 x 3 convolution, ReLU, 2 x 2 max "
-                  "pooling).")
-flags.DEFINE_integer("dense_units", 128, "Width of the hidden Dense layer.")
-flags.DEFINE_float("learning_rate", 0.002, "Adam learning rate.")
-flags.DEFINE_integer("seed", 0, "Seed of the training data (validation uses seed + 1).")
-flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line "
-                     "per epoch.")
 
 # Side of the low-resolution pattern behind every image, and what the teacher sees.
 PATTERN_SIZE = 8
@@ -207,10 +181,24 @@ def build_model(image_size=32, num_classes=10, filters=(16, 32, 64), dense_units
     return model
 
 
+def define_flags():
+    """This program's flags: the examples' common ones, with its defaults, and its own."""
+    common.define_training_flags(batch_size=256, examples=256 * 50,
+                                 validation_examples=2048)
+    flags.adopt_module_key_flags(common)  # so that --help lists them
+    flags.DEFINE_integer("image_size", 32,
+                         "Height and width of the images (a multiple of 8).")
+    flags.DEFINE_integer("num_classes", 10, "Classes.")
+    flags.DEFINE_list("filters", ["16", "32", "64"],
+                      "Filters of each convolution block (3 x 3 convolution, ReLU, 2 x 2 "
+                      "max pooling).")
+    flags.DEFINE_integer("dense_units", 128, "Width of the hidden Dense layer.")
+    flags.DEFINE_float("learning_rate", 0.002, "Adam learning rate.")
+
+
 def main(argv):
     del argv
-    if FLAGS.epochs < 1 or FLAGS.steps_per_epoch < 1:
-        raise app.UsageError("--epochs and --steps_per_epoch must be at least 1.")
+    common.quiet_logs()
     if FLAGS.validation_examples < FLAGS.batch_size:
         raise app.UsageError("--validation_examples must be at least --batch_size "
                              "(partial batches are dropped).")
@@ -218,10 +206,6 @@ def main(argv):
         raise app.UsageError(f"--image_size must be a multiple of {PATTERN_SIZE}.")
     if FLAGS.num_classes < 2:
         raise app.UsageError("--num_classes must be at least 2.")
-    # Under absl, TF's INFO messages (one per cross-device reduction, and the session
-    # config logged when connecting to a cluster) would bury the progress bar.
-    tf.get_logger().setLevel("WARNING")
-    logging.set_verbosity(logging.WARNING)
     # First: on a cluster, connecting to it invalidates variables created before.
     strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
     filters = tuple(int(f) for f in FLAGS.filters)
@@ -234,9 +218,7 @@ def main(argv):
     with strategy.scope():
         model = build_model(FLAGS.image_size, FLAGS.num_classes, filters,
                             FLAGS.dense_units, FLAGS.learning_rate)
-    print(f"strategy: {type(strategy).__name__}, {strategy.num_replicas_in_sync} replica(s)")
-    if FLAGS.strategy == "hybrid":
-        print(strategy.placement)
+    common.print_strategy(strategy)
 
     rate = common.StepRate()
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
@@ -250,4 +232,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

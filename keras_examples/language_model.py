@@ -45,7 +45,8 @@ The text is synthetic, generated with numpy: sentences of `--seq_len` + 1 word i
 proportional to 1 / (k + 1)). Each sentence is about one of 64 topics, and each of its
 words is, with probability 1/2, one of the topic's 100 own words (also drawn by a Zipf
 law), otherwise any word; a model learns word frequencies, and to infer the topic from
-the words so far. The target of each word is the next one. With the default vocabulary,
+the words so far. The target of each word is the next one. `--batch_size`, `--examples`
+and `--validation_examples` count such sequences. With the default vocabulary,
 knowing only the word frequencies gives a validation perplexity of about 3,300, and the
 best possible model (inferring the topic from the words so far) about 700; a uniform
 guess gives 100,000. The
@@ -68,12 +69,10 @@ tokens/s is examples/s times `--seq_len`.
     model.fit(language_model.make_dataset(12_800, 128, vocab=100_000, repeat=True), ...)
 """
 
-import functools
 import math
 
 from absl import app
 from absl import flags
-from absl import logging
 import numpy as np
 import tensorflow as tf
 import keras
@@ -84,36 +83,6 @@ except ImportError:  # run as a script: keras_examples/ itself is on sys.path
     import common
 
 FLAGS = flags.FLAGS
-
-flags.DEFINE_enum("strategy", "hybrid", ["hybrid", "mirrored", "none"],
-                  "hybrid: HybridStrategy (the cluster in TF_CONFIG, else this machine); "
-                  "mirrored: tf.distribute.MirroredStrategy on this machine; "
-                  "none: TensorFlow's default strategy.")
-flags.DEFINE_enum("architecture", "hybrid", ["hybrid", "allreduce", "ps"],
-                  "HybridStrategy only: hybrid (embeddings and softmax on PS, the rest "
-                  "mirrored), allreduce (everything mirrored) or ps (everything on PS).")
-flags.DEFINE_integer("epochs", 3, "Training epochs.")
-flags.DEFINE_integer("steps_per_epoch", 50, "Training steps per epoch.")
-flags.DEFINE_integer("batch_size", 128,
-                     "Global batch size in sequences, split across replicas.")
-flags.DEFINE_integer("examples", 128 * 150,
-                     "Training sequences generated (the data repeats if training needs "
-                     "more).")
-flags.DEFINE_integer("validation_examples", 256, "Held-out sequences generated.")
-flags.DEFINE_integer("validation_batch_size", 32,
-                     "Global batch size of evaluation, in sequences: the full softmax "
-                     "makes a [batch x seq_len, vocab] logits tensor.")
-flags.DEFINE_integer("vocab", 100_000, "Words in the vocabulary.")
-flags.DEFINE_integer("embedding_dim", 128, "Width of the word embeddings and of the "
-                     "softmax weights.")
-flags.DEFINE_integer("lstm_units", 256, "Units of the LSTM layer.")
-flags.DEFINE_integer("seq_len", 20, "Tokens per sequence.")
-flags.DEFINE_integer("num_sampled", 1024, "Candidate words of the sampled softmax, per "
-                     "replica and step.")
-flags.DEFINE_float("learning_rate", 0.003, "Adam learning rate.")
-flags.DEFINE_integer("seed", 0, "Seed of the training text (validation uses seed + 1).")
-flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line "
-                     "per epoch.")
 
 ZIPF_EXPONENT = 1.0
 # Every sequence is about one of NUM_TOPICS topics; each of its words is, with
@@ -126,19 +95,6 @@ TOPIC_PROBABILITY = 0.5
 
 
 # Data ---------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=8)
-def _zipf_cdf(size):
-    ranks = np.arange(1, size + 1, dtype=np.float64)
-    probabilities = ranks ** -ZIPF_EXPONENT
-    return np.cumsum(probabilities / probabilities.sum())
-
-
-def _zipf_ranks(rng, size, count):
-    """`count` ranks in [0, size): rank k has probability proportional to 1 / (k + 1)."""
-    drawn = np.searchsorted(_zipf_cdf(size), rng.random(count))
-    return np.minimum(drawn, size - 1).astype(np.int32)
-
 
 def make_arrays(num_sequences, vocab=100_000, seq_len=20, seed=0):
     """(tokens, next_tokens): int32 arrays [num_sequences, seq_len] of word ids in [0, vocab).
@@ -153,10 +109,10 @@ def make_arrays(num_sequences, vocab=100_000, seq_len=20, seed=0):
     length = seq_len + 1
     count = num_sequences * length
     num_topics = min(NUM_TOPICS, vocab)
-    words = _zipf_ranks(rng, vocab, count)
+    words = common.zipf_ranks(rng, vocab, count, ZIPF_EXPONENT)
     topics = np.repeat(rng.integers(0, num_topics, num_sequences, dtype=np.int32), length)
-    topic_words = topics + num_topics * _zipf_ranks(
-        rng, min(TOPIC_WORDS, vocab // num_topics), count)
+    topic_words = topics + num_topics * common.zipf_ranks(
+        rng, min(TOPIC_WORDS, vocab // num_topics), count, ZIPF_EXPONENT)
     words = np.where(rng.random(count) < TOPIC_PROBABILITY, topic_words, words)
     sequences = words.reshape(num_sequences, length)
     return sequences[:, :-1], sequences[:, 1:]
@@ -358,19 +314,32 @@ class Perplexity(keras.callbacks.Callback):
             logs["val_perplexity"] = math.exp(min(logs["val_loss"], 700.0))
 
 
+def define_flags():
+    """This program's flags: the examples' common ones, with its defaults, and its own."""
+    common.define_training_flags(batch_size=128, examples=128 * 150,
+                                 validation_examples=256)
+    flags.adopt_module_key_flags(common)  # so that --help lists them
+    flags.DEFINE_integer("validation_batch_size", 32,
+                         "Global batch size of evaluation, in sequences: the full softmax "
+                         "makes a [batch x seq_len, vocab] logits tensor.")
+    flags.DEFINE_integer("vocab", 100_000, "Words in the vocabulary.")
+    flags.DEFINE_integer("embedding_dim", 128, "Width of the word embeddings and of the "
+                         "softmax weights.")
+    flags.DEFINE_integer("lstm_units", 256, "Units of the LSTM layer.")
+    flags.DEFINE_integer("seq_len", 20, "Tokens per sequence.")
+    flags.DEFINE_integer("num_sampled", 1024, "Candidate words of the sampled softmax, per "
+                         "replica and step.")
+    flags.DEFINE_float("learning_rate", 0.003, "Adam learning rate.")
+
+
 def main(argv):
     del argv
-    if FLAGS.epochs < 1 or FLAGS.steps_per_epoch < 1:
-        raise app.UsageError("--epochs and --steps_per_epoch must be at least 1.")
+    common.quiet_logs()
     if FLAGS.validation_examples < FLAGS.validation_batch_size:
         raise app.UsageError("--validation_examples must be at least "
                              "--validation_batch_size (partial batches are dropped).")
     if not 0 < FLAGS.num_sampled <= FLAGS.vocab:
         raise app.UsageError("--num_sampled must be in [1, --vocab].")
-    # Under absl, TF's INFO messages (one per cross-device reduction, and the session
-    # config logged when connecting to a cluster) would bury the progress bar.
-    tf.get_logger().setLevel("WARNING")
-    logging.set_verbosity(logging.WARNING)
     # First: on a cluster, connecting to it invalidates variables created before.
     strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
 
@@ -382,9 +351,7 @@ def main(argv):
     with strategy.scope():
         model = build_model(FLAGS.vocab, FLAGS.embedding_dim, FLAGS.lstm_units,
                             FLAGS.num_sampled, FLAGS.learning_rate, FLAGS.seq_len)
-    print(f"strategy: {type(strategy).__name__}, {strategy.num_replicas_in_sync} replica(s)")
-    if FLAGS.strategy == "hybrid":
-        print(strategy.placement)
+    common.print_strategy(strategy)
 
     rate = common.StepRate()
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
@@ -399,4 +366,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -40,28 +40,6 @@ except ImportError:  # run as a script: keras_examples/ itself is on sys.path
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_enum("strategy", "hybrid", ["hybrid", "mirrored", "none"],
-                  "hybrid: HybridStrategy (the cluster in TF_CONFIG, else this machine); "
-                  "mirrored: tf.distribute.MirroredStrategy on this machine; "
-                  "none: TensorFlow's default strategy.")
-flags.DEFINE_enum("architecture", "hybrid", ["hybrid", "allreduce", "ps"],
-                  "HybridStrategy only: hybrid (embeddings on PS, the rest mirrored), "
-                  "allreduce (everything mirrored) or ps (everything on PS).")
-flags.DEFINE_integer("epochs", 3, "Training epochs.")
-flags.DEFINE_integer("steps_per_epoch", 50, "Training steps per epoch.")
-flags.DEFINE_integer("batch_size", 512, "Global batch size, split across replicas.")
-flags.DEFINE_integer("examples", 512 * 50,
-                     "Training examples generated (the data repeats if an epoch needs more).")
-flags.DEFINE_integer("validation_examples", 8192, "Held-out examples generated.")
-flags.DEFINE_integer("embedding_dim", 16, "Width of every embedding table.")
-flags.DEFINE_list("table_sizes", ["100000", "20000", "5000", "1000"],
-                  "Rows of each categorical feature's embedding table.")
-flags.DEFINE_integer("num_dense", 8, "Dense float features per example.")
-flags.DEFINE_list("hidden_units", ["256", "128"], "Widths of the MLP's hidden layers.")
-flags.DEFINE_integer("seed", 0, "Seed of the training data (validation uses seed + 1).")
-flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line "
-                     "per epoch.")
-
 DEFAULT_TABLE_SIZES = (100_000, 20_000, 5_000, 1_000)
 ZIPF_EXPONENT = 1.1
 # The "true" model behind the labels depends on this seed only, so training and
@@ -78,20 +56,6 @@ def _true_model(table_sizes, num_dense):
     return id_effects, dense_weights, np.float32(-0.5)
 
 
-def _zipf_ids(rng, size, count):
-    """`count` ids in [0, size) with P(rank k) proportional to 1 / (k + 1) ** 1.1.
-
-    A Zipf distribution truncated to the table; ranks are mapped to ids through a
-    fixed permutation so the frequent ids are spread over the table.
-    """
-    ranks = np.arange(1, size + 1, dtype=np.float64)
-    probabilities = ranks ** -ZIPF_EXPONENT
-    cdf = np.cumsum(probabilities / probabilities.sum())
-    drawn = np.minimum(np.searchsorted(cdf, rng.random(count)), size - 1)
-    permutation = np.random.default_rng([TRUE_MODEL_SEED, size]).permutation(size)
-    return permutation[drawn].astype(np.int32)
-
-
 def make_arrays(num_examples, table_sizes=DEFAULT_TABLE_SIZES, num_dense=8, seed=0):
     """Synthetic Criteo-like examples as numpy arrays: (features dict, labels)."""
     rng = np.random.default_rng(seed)
@@ -99,7 +63,7 @@ def make_arrays(num_examples, table_sizes=DEFAULT_TABLE_SIZES, num_dense=8, seed
     features = {}
     logits = np.full(num_examples, bias, dtype=np.float32)
     for i, size in enumerate(table_sizes):
-        ids = _zipf_ids(rng, size, num_examples)
+        ids = common.zipf_ids(rng, size, num_examples, ZIPF_EXPONENT)
         features[f"sparse_{i}"] = ids
         logits += id_effects[i][ids]
     dense = rng.normal(0.0, 1.0, size=(num_examples, num_dense)).astype(np.float32)
@@ -149,16 +113,24 @@ def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=
     return model
 
 
+def define_flags():
+    """This program's flags: the examples' common ones, with its defaults, and its own."""
+    common.define_training_flags(batch_size=512, examples=512 * 50,
+                                 validation_examples=8192)
+    flags.adopt_module_key_flags(common)  # so that --help lists them
+    flags.DEFINE_integer("embedding_dim", 16, "Width of every embedding table.")
+    flags.DEFINE_list("table_sizes", ["100000", "20000", "5000", "1000"],
+                      "Rows of each categorical feature's embedding table.")
+    flags.DEFINE_integer("num_dense", 8, "Dense float features per example.")
+    flags.DEFINE_list("hidden_units", ["256", "128"], "Widths of the MLP's hidden layers.")
+
+
 def main(argv):
     del argv
-    if FLAGS.epochs < 1 or FLAGS.steps_per_epoch < 1:
-        raise app.UsageError("--epochs and --steps_per_epoch must be at least 1.")
+    common.quiet_logs()
     if FLAGS.validation_examples < FLAGS.batch_size:
         raise app.UsageError("--validation_examples must be at least --batch_size "
                              "(partial batches are dropped).")
-    # Under absl, TF's INFO messages (one per cross-device reduction) would bury the
-    # progress bar.
-    tf.get_logger().setLevel("WARNING")
     # First: on a cluster, connecting to it invalidates variables created before.
     strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
     table_sizes = tuple(int(s) for s in FLAGS.table_sizes)
@@ -171,9 +143,7 @@ def main(argv):
     keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights in every run
     with strategy.scope():
         model = build_model(table_sizes, FLAGS.embedding_dim, hidden_units, FLAGS.num_dense)
-    print(f"strategy: {type(strategy).__name__}, {strategy.num_replicas_in_sync} replica(s)")
-    if FLAGS.strategy == "hybrid":
-        print(strategy.placement)
+    common.print_strategy(strategy)
 
     rate = common.StepRate()
     history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
@@ -187,4 +157,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
