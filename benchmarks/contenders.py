@@ -33,6 +33,10 @@ epochs of `steps` steps (the first is the warm-up) and the window is the second 
 which ends once every scheduled step has finished (`coordinator.join()`), so only its
 mean step time is known.
 
+With "profile" in the spec, the trainer that writes the results traces every task of
+its cluster (or itself, for `single`) with the TensorFlow profiler from the start of the
+measured window, and adds benchmarks/trace_summary.py's per-step breakdown to the results.
+
 At each window boundary every process that trains (the chief, or every MWMS worker)
 writes `<sync_dir>/<phase>.<task>` and waits for `<sync_dir>/<phase>.go`, which the
 harness writes after it has read the network counters: nothing runs between the
@@ -45,6 +49,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import types
 
@@ -71,6 +76,7 @@ MODELS = {
                     units_per_example=LM_SEQ_LEN, build={"seq_len": LM_SEQ_LEN},
                     data={"seq_len": LM_SEQ_LEN}),
     "cnn": ModelSpec("keras_examples.cnn", "examples", 256),
+    "text": ModelSpec("keras_examples.text_classifier", "examples", 256),
 }
 
 
@@ -170,8 +176,9 @@ def handshake(sync_dir, phase, task, timeout=_HANDSHAKE_TIMEOUT):
         time.sleep(0.002)
 
 
-def make_timer(keras, spec, asynchronous):
-    """A Keras callback timing the measured steps and marking the window's boundaries."""
+def make_timer(keras, spec, asynchronous, profiler=None):
+    """A Keras callback timing the measured steps and marking the window's boundaries
+    (and tracing them with `profiler`, a Profiler, if given)."""
 
     class Timer(keras.callbacks.Callback):
         def __init__(self):
@@ -187,12 +194,16 @@ def make_timer(keras, spec, asynchronous):
 
         def _begin(self):
             handshake(spec.get("sync_dir"), "start", spec["task"])
+            if profiler is not None:
+                profiler.start()
             self.measuring = True
             self.start = self._last = time.perf_counter()
 
         def _finish(self):
             self.end = time.perf_counter()
             self.measuring = False
+            if profiler is not None:
+                profiler.stop()
             handshake(spec.get("sync_dir"), "end", spec["task"])
 
         # Synchronous contenders: one epoch, window by steps.
@@ -225,6 +236,60 @@ def make_timer(keras, spec, asynchronous):
                     self._finish()
 
     return Timer()
+
+
+class Profiler:
+    """Traces every task of the cluster in TF_CONFIG (or this process alone) from start()
+    for `duration_ms`; stop() returns once the trace is written to `logdir`.
+
+    Cluster tasks are traced over their gRPC addresses: TensorFlow's gRPC server (which
+    hybrid_strategy.server, tf.distribute.Server and a connected chief all run) also
+    serves its profiler. Of the workers only worker 0 is traced: with TF 2.21, tracing
+    two workers at once makes one of them crash (SIGSEGV or "free(): invalid size")
+    within seconds; the workers run the same program on equal shares.
+    """
+
+    def __init__(self, logdir, duration_ms):
+        self.logdir, self.duration_ms = logdir, duration_ms
+        self.tasks = {}
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+        for job, addresses in cluster.items():
+            for index, address in enumerate(addresses):
+                if job == "chief":
+                    self.tasks["chief"] = address
+                elif job != "worker" or index == 0:
+                    self.tasks[f"{job}{index}"] = address
+        self._thread = None
+        self._error = None
+
+    def start(self):
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        if not self.tasks:
+            tf.profiler.experimental.start(self.logdir)
+            return
+        service = ",".join(f"grpc://{address}" for address in self.tasks.values())
+
+        def trace():
+            try:
+                tf.profiler.experimental.client.trace(service, self.logdir, self.duration_ms)
+            except Exception as e:  # pylint: disable=broad-except
+                self._error = e
+
+        self._thread = threading.Thread(target=trace, name="profiler-client", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        if self._thread is None:
+            tf.profiler.experimental.stop()
+        else:
+            self._thread.join()
+            if self._error is not None:
+                raise RuntimeError(f"profiling the cluster failed: {self._error}")
+
+    def summary(self):
+        from benchmarks import trace_summary  # pylint: disable=import-outside-toplevel
+        return trace_summary.summarize(self.logdir, self.tasks)
 
 
 def _is_number(value):
@@ -294,7 +359,9 @@ def run(spec):
         if legacy and hasattr(module, "LanguageModel"):
             model._bench_loss = keras.metrics.Mean(name="loss")
             model.built = True  # its build() is the Keras 3 one; the layers are built
-    timer = make_timer(keras, spec, asynchronous)
+    profile = spec.get("profile")
+    profiler = Profiler(profile["logdir"], profile["duration_ms"]) if profile else None
+    timer = make_timer(keras, spec, asynchronous, profiler)
     fit_kwargs = dict(verbose=0, callbacks=[timer], shuffle=False)
     setup_seconds = time.perf_counter() - started
     if asynchronous:
@@ -334,6 +401,8 @@ def run(spec):
     }
     if contender in HYBRID_ARCHITECTURES:
         result["placement"] = str(strategy.placement)
+    if profiler is not None:
+        result["profile"] = profiler.summary()
     if spec.get("write_result", True):
         tmp = spec["result"] + ".tmp"
         with open(tmp, "w") as f:

@@ -154,7 +154,8 @@ def describe(bound):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lower_bound",
                                      description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", required=True, choices=["recommender", "lm", "cnn"])
+    from benchmarks import contenders  # pylint: disable=import-outside-toplevel
+    parser.add_argument("--model", required=True, choices=sorted(contenders.MODELS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=None)
     parser.add_argument("--samples", type=int, default=8,

@@ -22,9 +22,16 @@ waits at. Elsewhere (or with `--loopback`) the tasks share loopback: the output 
 links are not limited, and bytes are the TCP payload of each process's sockets (tcp_info
 from `ss`), or unavailable if `ss` cannot tell.
 
+CPU time (user + system, /proc/<pid>/stat) of every task is read at the same two
+boundaries. With `--profile`, the TensorFlow profiler also traces every task over the
+measured window, and benchmarks/trace_summary.py splits each task's thread time per step
+into kernels of the model, embedding lookups, sparse aggregation, updates, all-reduce,
+send/recv, input pipeline and TF runtime; tracing slows the steps, so those runs are
+written to their own `-profile` file and left out of the targets and throughput plots.
+
 It prints a markdown table per model (throughput and ratio to `single`, median step time,
 bytes sent + received per worker per step beside the lower bound of benchmarks/lower_bound.py,
-per-task bytes and peak RSS) and writes everything to a JSON file (default:
+per-task bytes, CPU time and peak RSS) and writes everything to a JSON file (default:
 benchmarks/results/<model>-w<W>-p<P>-<network>.json), which benchmarks/report.py turns into
 benchmarks/results/README.md and plots. A contender that fails is reported with the tail
 of its output; the others still run. `--cleanup` removes leftover namespaces (hsb-*).
@@ -149,6 +156,20 @@ def _die_with_us():
 
 def vm_hwm_kib(pid):
     return contenders_lib.vm_hwm_kib(pid)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """User + system CPU time a process has used, in seconds, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the command name (which may hold spaces) start at its ")".
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 # Bytes per process without namespaces ------------------------------------------------
@@ -333,6 +354,9 @@ class ContenderRun:
                     "result": os.path.join(self.workdir, "result.json"),
                     "sync_dir": self.sync_dir, "task": task.name,
                     "write_result": task.index == 0}
+            if self.options.profile and task.index == 0:
+                spec["profile"] = {"logdir": os.path.join(self.workdir, "trace"),
+                                   "duration_ms": self.options.profile_ms}
             spec_path = os.path.join(self.workdir, f"spec.{task.name}.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
@@ -385,6 +409,7 @@ class ContenderRun:
             sample["tcp"] = (None if by_pid is None else
                              {name: by_pid.get(pid, {"tx_bytes": 0, "rx_bytes": 0})
                               for pid, name in pids.items()})
+        sample["cpu"] = {t.name: cpu_seconds(t.process.pid) for t in self.tasks}
         if phase == "end":
             self.rss = {t.name: vm_hwm_kib(t.process.pid) for t in self.tasks}
         self.samples[phase] = sample
@@ -399,6 +424,9 @@ class ContenderRun:
         start, end = self.samples["start"], self.samples["end"]
         for task in self.tasks:
             entry = {"job": task.job, "peak_rss_mib": _mib(self.rss.get(task.name))}
+            cpu = [sample["cpu"].get(task.name) for sample in (start, end)]
+            if None not in cpu:
+                entry["cpu_ms_per_step"] = (cpu[1] - cpu[0]) * 1000 / steps
             for key, label in (("counters", "wire"), ("tcp", "tcp_payload")):
                 before = (start.get(key) or {}).get(task.name)
                 after = (end.get(key) or {}).get(task.name)
@@ -534,7 +562,8 @@ def parse(argv):
         epilog="Contenders: " + ", ".join(contenders_lib.CONTENDERS)
         + ". Horovod: " + HOROVOD_NOTE + ".")
     parser.add_argument("--model", default="recommender",
-                        help="recommender, lm or cnn (comma-separated for several)")
+                        help=", ".join(contenders_lib.MODELS)
+                        + " (comma-separated for several)")
     parser.add_argument("--contenders", default=",".join(contenders_lib.CONTENDERS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=1)
@@ -543,7 +572,9 @@ def parse(argv):
     parser.add_argument("--steps", type=int, default=30, help="measured steps")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (traced first)")
     parser.add_argument("--global-batch", type=int, default=None,
-                        help="default: the model's (recommender 512, lm 128, cnn 256)")
+                        help="default: the model's (" + ", ".join(
+                            f"{name} {spec.global_batch}"
+                            for name, spec in contenders_lib.MODELS.items()) + ")")
     parser.add_argument("--json", help="results file (default under benchmarks/results/)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['steps']} measured and {QUICK['warmup']} warm-up steps")
@@ -556,6 +587,12 @@ def parse(argv):
                         help="seconds one contender may take, start-up included")
     parser.add_argument("--cleanup", action="store_true",
                         help="remove leftover namespaces (hsb-*) and exit")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace every task with the TensorFlow profiler from the start "
+                        "of the measured window and report where a step's time goes "
+                        "(tracing slows the run: results go to a separate -profile file)")
+    parser.add_argument("--profile-ms", type=int, default=3000,
+                        help="length of the trace with --profile (default 3000)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep every task's output under the work directory")
     options = parser.parse_args(argv)
@@ -579,6 +616,8 @@ def parse(argv):
         parser.error("--repeats must be at least 1")
     if options.link_gbit is not None and options.link_gbit <= 0:
         parser.error("--link-gbit must be positive")
+    if options.profile_ms < 100:
+        parser.error("--profile-ms must be at least 100")
     if options.json and len(options.models) > 1:
         parser.error("--json takes one model; run the models one by one")
     return options
@@ -611,6 +650,7 @@ def run_model(options, model, mode, why, argv):
     run = {
         "schema": SCHEMA,
         "quick": options.quick,
+        "profiled": options.profile,
         "model": model,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks.run " + shlex.join(argv),
@@ -656,7 +696,7 @@ def run_model(options, model, mode, why, argv):
                f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
     path = options.json or os.path.join(
         RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}"
-        f"{'-quick' if options.quick else ''}.json")
+        f"{'-quick' if options.quick else ''}{'-profile' if options.profile else ''}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(run, f, indent=1)

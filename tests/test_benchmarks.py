@@ -135,14 +135,111 @@ def test_cleanup_removes_leftovers_and_what_runs_inside():
 # One quick harness run ----------------------------------------------------------------
 
 
-def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
-    out = tmp_path / "quick.json"
+# Trace summary ------------------------------------------------------------------------
+
+
+def _write_trace(logdir, stem, lines):
+    """An XSpace of one plane; `lines` maps thread names to (name, start_ns, end_ns)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    ids = {}
+    for line_name, events in lines.items():
+        line = plane.lines.add(name=line_name, timestamp_ns=1000)
+        for name, start, end in events:
+            if name not in ids:
+                ids[name] = len(ids) + 1
+                plane.event_metadata[ids[name]].id = ids[name]
+                plane.event_metadata[ids[name]].name = name
+            line.events.add(metadata_id=ids[name], offset_ps=start * 1000,
+                            duration_ps=(end - start) * 1000)
+    run = logdir / "plugins" / "profile" / "run"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / f"{stem}.xplane.pb").write_bytes(space.SerializeToString())
+
+
+def test_trace_summary_splits_thread_time_by_category(tmp_path):
+    train = "EagerLocalExecute: __inference_multi_step_on_iterator_7"
+    _write_trace(tmp_path, "127.0.0.1_1000", {
+        "python": [(train, 0, 8_000_000), (train, 10_000_000, 18_000_000),
+                   (train, 20_000_000, 28_000_000), ("EagerExecute", 30_000_000, 30_000_500)]})
+    _write_trace(tmp_path, "127.0.0.1_1001", {
+        "tf_Compute/1": [
+            ("ExecutorState::Process", 0, 3_000_000),
+            # A kernel covers what is nested in it (ParallelFor counts as the lookup).
+            ("replica/embedding/hybrid_lookup/ResourceGather:ResourceGather", 100_000, 700_000),
+            ("ParallelFor", 200_000, 600_000),
+            ("functional/dense/MatMul:MatMul", 1_000_000, 1_900_000),
+            ("sgd/local_aggregation/UnsortedSegmentSum:UnsortedSegmentSum",
+             2_000_000, 2_300_000),
+            ("sgd/CollectiveReduceV2:CollectiveReduceV2", 4_000_000, 5_500_000),
+            ("StatefulPartitionedCall/_Send:_Send", 6_000_000, 6_030_000)],
+        "tf_GrpcWorkerEnvQueues/2": [("CollectiveExecutor::CompleteParams", 0, 150_000)],
+        "tf_data_iterator_resource/3": [
+            ("Iterator::Root::Prefetch", 0, 1_200_000),
+            ("batch/TensorSlice:TensorSliceDataset", 100_000, 400_000)]})
+    _write_trace(tmp_path, "127.0.0.1_1002", {
+        "tf_Compute/1": [("sgd/ps_update_0/SGD_row_update/Sub:Sub", 0, 270_000),
+                         ("ResourceScatterUpdate:ResourceScatterUpdate", 300_000, 330_000)]})
+    from benchmarks import trace_summary
+    summary = trace_summary.summarize(str(tmp_path), {
+        "chief": "127.0.0.1:1000", "worker0": "127.0.0.1:1001", "ps0": "127.0.0.1:1002"})
+    assert summary["steps"] == 3
+    assert list(summary["tasks"]) == ["chief", "worker0", "ps0"]
+    worker = summary["tasks"]["worker0"]["busy_ms_per_step"]
+    expected = {"embedding lookup": 0.6, "model compute": 0.9, "sparse aggregation": 0.3,
+                "all-reduce": 1.5 + 0.15, "send/recv": 0.03, "input pipeline": 1.2,
+                # The executor's own time: 3 ms less the kernels inside it.
+                "runtime": 3.0 - 0.6 - 0.9 - 0.3, "variable update": 0.0}
+    for category, ms in expected.items():
+        assert worker[category] == pytest.approx(ms / 3), category
+    ps = summary["tasks"]["ps0"]["busy_ms_per_step"]
+    assert ps["variable update"] == pytest.approx(0.3 / 3)
+    trainer = summary["tasks"]["chief"]["trainer"]
+    assert trainer["step_wall_ms"] == pytest.approx(10.0)
+    assert trainer["in_train_function_ms"] == pytest.approx(8.0)
+    assert trainer["python_between_steps_ms"] == pytest.approx(2.0)
+    table = trace_summary.markdown(summary)
+    assert "| embedding lookup | 0.00 | 0.20 | 0.00 |" in table
+
+
+def test_trace_summary_refuses_a_trace_without_training(tmp_path):
+    _write_trace(tmp_path, "127.0.0.1_1000", {"python": [("EagerExecute", 0, 10)]})
+    from benchmarks import trace_summary
+    with pytest.raises(ValueError, match="no call of a Keras train function"):
+        trace_summary.summarize(str(tmp_path))
+
+
+# The harness ------------------------------------------------------------------------
+
+
+def test_profiled_quick_run_of_single(tmp_path):
+    out = tmp_path / "profile.json"
+    done = _run_harness("--contenders", "single", "--quick", "--loopback", "--profile",
+                        "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:]
+    run = json.loads(out.read_text())
+    assert run["profiled"] is True
+    profile = run["contenders"][0]["profile"]
+    assert profile["steps"] == 10  # the measured window, traced from its first step
+    (task,) = profile["tasks"].values()
+    assert task["busy_ms_per_step"]["model compute"] > 0
+    assert task["trainer"]["step_wall_ms"] > 0
+    assert "Where a step's time goes, single" in done.stdout
+
+
+def _run_harness(*args):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--model", "recommender",
-         "--contenders", "single,hybrid", "--quick", "--loopback", "--json", str(out)],
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--model", "recommender", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=240)
+
+
+def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
+    out = tmp_path / "quick.json"
+    done = _run_harness("--contenders", "single,hybrid", "--quick", "--loopback",
+                        "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:]
     run = json.loads(out.read_text())
     assert run["schema"] == 1 and run["quick"] is True
@@ -160,6 +257,7 @@ def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
     assert set(hybrid["per_task"]) == {"chief", "worker0", "worker1", "ps0"}
     for task in hybrid["per_task"].values():
         assert task["peak_rss_mib"] > 0
+        assert task["cpu_ms_per_step"] > 0
     assert hybrid["bytes_source"].startswith("tcp_info")
     assert hybrid["summary"]["worker_bytes_per_step_mean"] > 0
     assert "| hybrid |" in done.stdout and "horovod" in done.stdout
