@@ -23,13 +23,14 @@ show the per-step cost of each strategy, not the speed of a real network.
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+
+from benchmarks import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "keras_examples", "recommender.py")
@@ -38,27 +39,6 @@ RUNS = ("hybrid", "mirrored", "none")
 CLUSTER_RUNS = {"hybrid": "hybrid", "allreduce": "allreduce", "ps": "ps"}
 _FINAL = re.compile(r"^final: (.*)$", re.MULTILINE)
 _FIELD = re.compile(r"([\w/]+)=([-+0-9.eE]+)")
-
-
-def machine():
-    """nproc and the CPU model name of this machine."""
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    nproc = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count())
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
-    return {"nproc": nproc, "cpu": model, "python": platform.python_version(),
-            "loadavg_1min_before": load}
 
 
 def command(run, options):
@@ -169,7 +149,7 @@ def parse(argv):
 
 def main(argv=None):
     options = parse(argv)
-    host = machine()  # the load average before our own runs add to it
+    host = machine.describe()  # the load average before our own runs add to it
     results = [measure(run, options) for run in options.runs]
     by_run = {r["run"]: r for r in results}
     baseline = by_run.get("none", {}).get("steps_per_s")
@@ -177,9 +157,7 @@ def main(argv=None):
           f"{options.epochs} epochs x {options.steps_per_epoch} steps, steps/s of the last "
           f"epoch; HybridStrategy on {options.workers} workers + {options.ps} ps on loopback\n")
     print(table(results, baseline))
-    load = host["loadavg_1min_before"]
-    print(f"\nmachine: {host['nproc']} CPUs (nproc), {host['cpu']}, Python {host['python']}"
-          + (f", load average {load:.2f} before the runs" if load is not None else ""))
+    print(f"\nmachine: {machine.summary(host)}")
     print("commands:")
     for r in results:
         print(f"  {r['run']}: {r['command']}")

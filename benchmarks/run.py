@@ -43,7 +43,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
@@ -54,6 +53,7 @@ import tempfile
 import time
 
 from benchmarks import contenders as contenders_lib
+from benchmarks import machine as machine_lib
 from benchmarks import netem
 from benchmarks import report
 
@@ -80,44 +80,6 @@ def _interrupt(signum, frame):
 
 
 # Machine and environment ----------------------------------------------------------
-
-
-def machine():
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            mem_kib = int(f.readline().split()[1])
-    except (OSError, ValueError, IndexError):
-        mem_kib = None
-    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu,
-            "kernel": platform.release(), "python": platform.python_version(),
-            "memory_gib": round(mem_kib / 2**20, 1) if mem_kib else None,
-            "loadavg_before": os.getloadavg()[0]}
-
-
-def code_version():
-    """The commit of this repository and whether files differ from it."""
-    def git(*args):
-        try:
-            done = subprocess.run(["git", *args], cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    changed = git("status", "--porcelain", "--untracked-files=no")
-    # Result files (this run writes some) say nothing about the code measured.
-    paths = [line[3:] for line in (changed or "").splitlines()]
-    return {"commit": git("rev-parse", "HEAD"),
-            "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
 
 
 def _environ(extra=None):
@@ -654,8 +616,8 @@ def run_model(options, model, mode, why, argv):
         "model": model,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks.run " + shlex.join(argv),
-        "machine": machine(),
-        "code": code_version(),
+        "machine": machine_lib.describe(),
+        "code": machine_lib.code_version(),
         "network": {"mode": mode, "link_gbit": options.link_gbit if mode == "netns" else None,
                     "description": description,
                     "fallback_reason": why if mode == "loopback" else None},

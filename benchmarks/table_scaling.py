@@ -37,13 +37,14 @@ import argparse
 import faulthandler
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM = 64
@@ -71,33 +72,6 @@ def proc_status(pid="self"):
     except OSError:
         return None
     return fields
-
-
-def machine():
-    """nproc, CPU model, memory and the 1-minute load average, read now."""
-    model = platform.processor() or "unknown"
-    memory = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    memory = int(line.split()[1]) / 1024.0 ** 2  # kB -> GiB
-                    break
-    except OSError:
-        pass
-    nproc = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count())
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return {"nproc": nproc, "cpu": model, "memory_gib": memory,
-            "python": platform.python_version(), "loadavg_before": load}
 
 
 # Chief: one (rows, optimizer) run on the cluster the launcher started -------------
@@ -383,11 +357,7 @@ def report(results, verdicts, host, options, invocation):
         ratio = f"{v['ratio']:.2f}" if v["ratio"] is not None else "n/a"
         lines.append(f"- {v['optimizer']}: largest/smallest median step time = {ratio} "
                      f"(target <= {v['target']}): **{v['verdict']}** ({v['why']})")
-    load = host["loadavg_before"]
-    lines += ["", f"machine: {host['nproc']} CPUs (nproc), {host['cpu']}, "
-              f"{host['memory_gib']:.1f} GiB RAM, Python {host['python']}"
-              + (f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the runs"
-                 if load else ""),
+    lines += ["", f"machine: {machine.summary(host)}",
               f"command: `{invocation}`",
               "per run (the launcher starts a fresh cluster; RESULT.json is a temporary file):"]
     lines += [f"    {r['command']}" for r in results]
@@ -444,7 +414,7 @@ def main(argv=None):
     if options.chief:
         return run_chief(options)
     invocation = shlex.join(["python", "-m", "benchmarks.table_scaling"] + argv)
-    host = machine()  # the load average before our own runs add to it
+    host = machine.describe()  # the load average before our own runs add to it
     started = time.perf_counter()
     results = [measure(options, rows, optimizer)
                for optimizer in options.optimizer_list for rows in options.rows_list]

@@ -1,0 +1,56 @@
+"""What the benchmarks record about the machine and the code they measured.
+
+    from benchmarks import machine
+    host = machine.describe()   # read before the runs: the load average is "before"
+    code = machine.code_version()
+"""
+
+import os
+import platform
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def describe():
+    """nproc, CPU model, memory, kernel, Python and the 1/5/15-minute load averages."""
+    cpu = platform.processor() or "unknown"
+    memory_gib = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            memory_gib = next((round(int(line.split()[1]) / 2**20, 1) for line in f
+                               if line.startswith("MemTotal:")), None)
+    except OSError:
+        pass
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "memory_gib": memory_gib,
+            "kernel": platform.release(), "python": platform.python_version(),
+            "loadavg_before": os.getloadavg()[0], "loadavg_1_5_15": list(os.getloadavg())}
+
+
+def summary(host):
+    """One line for a report: "2 CPUs (nproc), <model>, 23.4 GiB, Python 3.11, load ..."."""
+    load = host.get("loadavg_1_5_15")
+    return (f"{host['nproc']} CPUs (nproc), {host['cpu']}, {host.get('memory_gib')} GiB, "
+            f"kernel {host.get('kernel')}, Python {host['python']}"
+            + (f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the runs"
+               if load else ""))
+
+
+def code_version():
+    """The commit of this repository and the code files that differ from it."""
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.rstrip() if done.returncode == 0 else None
+
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    # Result files (runs write some) say nothing about the code measured.
+    paths = [line[3:] for line in (changed or "").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
