@@ -48,6 +48,7 @@ CASES = {
     "adagrad": ("adagrad", "plain", None, "lazy"),
     "two_tables": ("adagrad", "two_tables", None, "lazy"),
     "tied": ("adagrad", "tied", None, "lazy"),
+    "shared": ("adagrad", "shared", None, "lazy"),
     "forced": ("adagrad", "plain", {"embedding": "mirrored", "hidden/kernel": "ps"}, "lazy"),
     "momentum_exact": ("momentum", "plain", None, "exact"),
     "adam_exact": ("adam", "plain", None, "exact"),
@@ -83,13 +84,18 @@ class TiedProjection(keras.layers.Layer):
 
 def build_model(variant="plain"):
     """Embedding + Dense layers; "tied" also uses the table as an output projection,
-    "two_tables" embeds each half of the ids with its own table."""
+    "two_tables" embeds each half of the ids with its own table, "shared" looks each
+    half up separately in one table (its gradient repeats rows the halves share)."""
     inputs = keras.Input(shape=(SEQ,), dtype="int32")
+    half = SEQ // 2
     if variant == "two_tables":
-        half = SEQ // 2
         a = keras.layers.Embedding(VOCAB, DIM, name="embedding")(inputs[:, :half])
         b = keras.layers.Embedding(VOCAB * 2, DIM, name="embedding_b")(inputs[:, half:])
         x = keras.layers.Concatenate(axis=1)([a, b])
+    elif variant == "shared":
+        embedding = keras.layers.Embedding(VOCAB, DIM, name="embedding")
+        x = keras.layers.Concatenate(axis=1)([embedding(inputs[:, :half]),
+                                              embedding(inputs[:, half:])])
     else:
         embedding = keras.layers.Embedding(VOCAB, DIM, name="embedding")
         x = embedding(inputs)
