@@ -70,18 +70,13 @@ def sum_sparse(replica_slices, replica_devices, table):
     parts_by_shard = [[] for _ in table.shards]
     for host, host_slices in _by_host(replica_slices, replica_devices):
         with tf.device(host), tf.name_scope("local_aggregation"):
-            merged = concat_slices(host_slices)
-            # One replica's gradient of one lookup already holds each row once.
-            if len(host_slices) > 1 or not table_lib.has_distinct_rows(merged):
-                merged = merge_duplicates(merged)
+            merged = merge_duplicates(concat_slices(host_slices))
             for k, part in enumerate(table_lib.split_slices(merged, table.offsets)):
                 parts_by_shard[k].append(part)
     sums = []
     for shard, parts in zip(table.shards, parts_by_shard):
         with tf.device(shard.device), tf.name_scope("ps_aggregation"):
-            # Each worker's part holds a row once: only several parts can repeat it.
-            sums.append(merge_duplicates(concat_slices(parts)) if len(parts) > 1
-                        else parts[0])
+            sums.append(merge_duplicates(concat_slices(parts)))
     return sums
 
 

@@ -6,8 +6,7 @@ gradient (Adagrad divides by the whole accumulator, Adam decays every row of its
 moments), so its cost grows with the table. `row_updater(optimizer)` returns a
 `RowUpdater` holding the same update rule written for rows: in "lazy" mode it
 gathers the gradient's rows of the variable and of each slot, applies the rule to
-them and scatters them back (plain SGD subtracts from the rows in place), so a
-step costs O(rows in the gradient); in "exact"
+them and scatters them back, so a step costs O(rows in the gradient); in "exact"
 mode it reproduces Keras's dense update, where every row's slots move.
 
 Supported: `keras.optimizers.SGD` (with or without momentum and nesterov),
@@ -342,15 +341,6 @@ class _SGD(RowUpdater):
         h["momentum"] = _cast(optimizer.momentum, dtype)
         h["nesterov"] = bool(optimizer.nesterov)
         return h
-
-    def _apply_rows(self, hyper, variable, slots, grad):
-        if self.slot_names:
-            return super()._apply_rows(hyper, variable, slots, grad)
-        # Without momentum a row's update does not depend on the row: subtract in place,
-        # with no read of the rows (the same float operations as w - g * lr).
-        step = tf.cast(grad.values, variable.dtype) * hyper["lr"]
-        update = variable.scatter_sub(tf.IndexedSlices(step, grad.indices))
-        return [_op(update)], tf.size(grad.indices, out_type=tf.int32)
 
     def _rule(self, h, w, slots, g):
         lr = h["lr"]

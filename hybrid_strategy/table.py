@@ -399,26 +399,6 @@ def table_of_gradient(tensor, depth=6):
     return _resolve(tensor, lookups, depth)
 
 
-def has_distinct_rows(slices, depth=6):
-    """Whether an `IndexedSlices` gradient's indices are one lookup's distinct ids.
-
-    True for the gradient of a table looked up once in the step (each row is in it
-    once, already summed); False when it may repeat rows, e.g. the tape concatenated
-    the gradients of two lookups.
-    """
-    if tf.executing_eagerly() or not hasattr(slices.indices, "graph"):
-        return False
-    lookups = _LOOKUPS.get(slices.indices.graph) or {}
-    tensor = slices.indices
-    for _ in range(depth):
-        if tensor.name in lookups:
-            return True
-        if tensor.op.type not in _PASS_THROUGH_OPS:
-            return False
-        tensor = tensor.op.inputs[0]
-    return False
-
-
 def _resolve(tensor, lookups, depth):
     if tensor.name in lookups:
         return lookups[tensor.name]

@@ -36,7 +36,7 @@ def shard_sums(prefixes_per_replica):
 
 
 @pytest.mark.parametrize("prefixes_per_replica, counts", [
-    # One lookup: its gradient already holds each row once.
+    # One lookup.
     ([[4]], {1: 1, 2: 1, 5: 2}),
     # Two lookups of one table in a step: the tape concatenates their rows.
     ([[4, 2]], {1: 2, 2: 1, 5: 3}),

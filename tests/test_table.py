@@ -52,27 +52,6 @@ def test_gradient_is_one_table_wide_indexed_slices_with_rows_merged():
     np.testing.assert_array_equal(grad.values.numpy(), [[2.0, 4.0], [1.0, 2.0]])
 
 
-def test_only_the_gradient_of_a_single_lookup_counts_as_holding_each_row_once():
-    table = table_lib.ShardedTable([tf.Variable(tf.ones((6, 2)))], "t/embeddings")
-    verdicts = {}
-
-    @tf.function
-    def gradients(ids):
-        with tf.GradientTape(persistent=True) as tape:
-            once = tf.reduce_sum(tf.gather(table, ids))
-            twice = once + tf.reduce_sum(tf.gather(table, ids[:2]))
-        grads = {name: tape.gradient(loss, [table])[0]
-                 for name, loss in (("once", once), ("twice", twice))}
-        for name, grad in grads.items():
-            verdicts[name] = table_lib.has_distinct_rows(grad)  # decided while tracing
-        return grads["twice"]
-
-    grad = gradients(tf.constant([1, 4, 1]))
-    assert verdicts == {"once": True, "twice": False}
-    assert sorted(grad.indices.numpy().tolist()) == [1, 1, 4, 4]  # rows repeat
-    assert not table_lib.has_distinct_rows(grad)  # eager: nothing is known
-
-
 def test_a_training_step_never_reads_a_table_whole():
     strategy, model = sharded_model(rows=1000, shards=1)
     layer = model.get_layer("emb")
