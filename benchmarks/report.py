@@ -171,9 +171,13 @@ def profile_sections(run):
     """Per profiled contender: where its step's time goes (benchmarks/trace_summary.py)."""
     lines = []
     for c in run["contenders"]:
-        if c.get("status") == "ok" and c.get("profile"):
-            lines += ["", f"Where a step's time goes, {c['contender']} (TensorFlow profiler, "
-                      "every task traced over gRPC; tracing slows the step):", "",
+        if c.get("status") == "ok" and c.get("profile", {}).get("error"):
+            lines += ["", f"No profile of {c['contender']}: {_md_escape(c['profile']['error'])}"]
+        elif c.get("status") == "ok" and c.get("profile"):
+            traced = ("this process" if c["contender"] == "single" else
+                      "over gRPC: the chief, worker 0 and every ps")
+            lines += ["", f"Where a step's time goes, {c['contender']} (TensorFlow profiler; "
+                      f"traced {traced}; tracing slows the step):", "",
                       trace_summary.markdown(c["profile"])]
     return lines
 

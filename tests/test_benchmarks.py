@@ -222,7 +222,7 @@ def test_profiled_quick_run_of_single(tmp_path):
     assert run["profiled"] is True
     profile = run["contenders"][0]["profile"]
     assert profile["steps"] == 10  # the measured window, traced from its first step
-    (task,) = profile["tasks"].values()
+    task = profile["tasks"]["chief"]
     assert task["busy_ms_per_step"]["model compute"] > 0
     assert task["trainer"]["step_wall_ms"] > 0
     assert "Where a step's time goes, single" in done.stdout
