@@ -29,7 +29,7 @@ frequent) is the label, and patterns where the best two classes are close are re
 The task is learnable and guessing scores 1 / num_classes, so validation accuracy
 tells whether training works. The program ends with one line such as
 
-    final: val_accuracy=0.6797 val_loss=0.8535 examples/s=5881 steps/s=22.97
+    final: val_accuracy=0.6797 val_loss=0.8535 steps/s=22.97 examples/s=5881
 
 where steps/s is measured over the training steps of the last epoch (the first epoch
 also traces the training function, so it is left out when there is more than one).
@@ -220,15 +220,9 @@ def main(argv):
                             FLAGS.dense_units, FLAGS.learning_rate)
     common.print_strategy(strategy)
 
-    rate = common.StepRate()
-    history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
-                        validation_data=validation, shuffle=False, callbacks=[rate],
-                        verbose=FLAGS.verbose)
-    last = {name: values[-1] for name, values in history.history.items()}
-    steps_per_second = rate.rates[-1]
-    print(f"final: val_accuracy={last['val_accuracy']:.4f} val_loss={last['val_loss']:.4f} "
-          f"examples/s={steps_per_second * FLAGS.batch_size:.0f} "
-          f"steps/s={steps_per_second:.2f}", flush=True)
+    last, steps_per_second = common.train(model, train, validation)
+    common.print_final(last, ["val_accuracy", "val_loss"], steps_per_second,
+                       FLAGS.batch_size)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What the examples share: their common flags, the strategy, step timing and Zipf-like ids.
+"""What the examples share: their common flags, the strategy, training and its final line,
+step timing and Zipf-like ids.
 
 ```python
 from keras_examples import common
@@ -10,7 +11,8 @@ def define_flags():   # called under `if __name__ == "__main__":`, before app.ru
     ...                                               # the example's own flags
 
 strategy = common.make_strategy("hybrid", "hybrid")   # or "mirrored", "none"
-rate = common.StepRate()                              # model.fit(..., callbacks=[rate])
+last, steps_per_second = common.train(model, train, validation)   # fit, with --epochs ...
+common.print_final(last, ["val_auc", "val_loss"], steps_per_second, FLAGS.batch_size)
 ids = common.zipf_ids(np.random.default_rng(0), size=1000, count=64, exponent=1.1)
 ```
 """
@@ -25,6 +27,8 @@ import numpy as np
 import tensorflow as tf
 
 import hybrid_strategy
+
+FLAGS = flags.FLAGS
 
 # Fixes which ids `zipf_ids` makes frequent, the same for every data seed.
 PERMUTATION_SEED = 1234
@@ -82,6 +86,23 @@ def print_strategy(strategy):
           f"{strategy.num_replicas_in_sync} replica(s)")
     if isinstance(strategy, hybrid_strategy.HybridStrategy):
         print(strategy.placement)
+
+
+def train(model, train_data, validation_data, callbacks=()):
+    """Fits for --epochs x --steps_per_epoch; returns the last epoch's logs and steps/s."""
+    rate = StepRate()
+    history = model.fit(train_data, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
+                        validation_data=validation_data, shuffle=False,
+                        callbacks=[rate, *callbacks], verbose=FLAGS.verbose)
+    return {name: values[-1] for name, values in history.history.items()}, rate.rates[-1]
+
+
+def print_final(logs, names, steps_per_second, units_per_step, unit="examples"):
+    """Prints the line every example ends with: the named logs, then its throughput."""
+    fields = [f"{name}={logs[name]:.4g}" for name in names]
+    fields += [f"steps/s={steps_per_second:.2f}",
+               f"{unit}/s={steps_per_second * units_per_step:.0f}"]
+    print("final: " + " ".join(fields), flush=True)
 
 
 class StepRate(keras.callbacks.Callback):

@@ -55,7 +55,7 @@ about 3,600 before training), a unigram prior, as the ids are sorted by frequenc
 that words training has not reached yet do not flood the full softmax. The program ends
 with one line such as
 
-    final: val_perplexity=1220.3 val_loss=7.1069 tokens/s=18747 steps/s=7.32
+    final: val_perplexity=1220 val_loss=7.107 steps/s=7.32 tokens/s=18747
 
 where steps/s is measured over the training steps of the last epoch (the first epoch
 also traces the training function, so it is left out when there is more than one) and
@@ -353,16 +353,9 @@ def main(argv):
                             FLAGS.num_sampled, FLAGS.learning_rate, FLAGS.seq_len)
     common.print_strategy(strategy)
 
-    rate = common.StepRate()
-    history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
-                        validation_data=validation, shuffle=False,
-                        callbacks=[rate, Perplexity()], verbose=FLAGS.verbose)
-    last = {name: values[-1] for name, values in history.history.items()}
-    steps_per_second = rate.rates[-1]
-    tokens_per_second = steps_per_second * FLAGS.batch_size * FLAGS.seq_len
-    print(f"final: val_perplexity={last['val_perplexity']:.1f} "
-          f"val_loss={last['val_loss']:.4f} tokens/s={tokens_per_second:.0f} "
-          f"steps/s={steps_per_second:.2f}", flush=True)
+    last, steps_per_second = common.train(model, train, validation, [Perplexity()])
+    common.print_final(last, ["val_perplexity", "val_loss"], steps_per_second,
+                       FLAGS.batch_size * FLAGS.seq_len, unit="tokens")
 
 
 if __name__ == "__main__":

@@ -151,15 +151,9 @@ def main(argv):
                             FLAGS.learning_rate)
     common.print_strategy(strategy)
 
-    rate = common.StepRate()
-    history = model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps_per_epoch,
-                        validation_data=validation, shuffle=False, callbacks=[rate],
-                        verbose=FLAGS.verbose)
-    last = {name: values[-1] for name, values in history.history.items()}
-    steps_per_second = rate.rates[-1]
-    print(f"final: val_auc={last['val_auc']:.4f} val_loss={last['val_loss']:.4f} "
-          f"val_accuracy={last['val_accuracy']:.4f} steps/s={steps_per_second:.2f} "
-          f"examples/s={steps_per_second * FLAGS.batch_size:.0f}", flush=True)
+    last, steps_per_second = common.train(model, train, validation)
+    common.print_final(last, ["val_auc", "val_loss", "val_accuracy"], steps_per_second,
+                       FLAGS.batch_size)
 
 
 if __name__ == "__main__":
