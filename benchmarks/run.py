@@ -23,11 +23,13 @@ links are not limited, and bytes are the TCP payload of each process's sockets (
 from `ss`), or unavailable if `ss` cannot tell.
 
 CPU time (user + system, /proc/<pid>/stat) of every task is read at the same two
-boundaries. With `--profile`, the TensorFlow profiler also traces every task over the
-measured window, and benchmarks/trace_summary.py splits each task's thread time per step
-into kernels of the model, embedding lookups, sparse aggregation, updates, all-reduce,
-send/recv, input pipeline and TF runtime; tracing slows the steps, so those runs are
-written to their own `-profile` file and left out of the targets and throughput plots.
+boundaries. With `--profile`, the TensorFlow profiler also traces the chief, worker 0 and
+every ps over the measured window, and benchmarks/trace_summary.py splits each task's
+thread time per step into kernels of the model, embedding lookups, sparse aggregation,
+updates, all-reduce, send/recv, input pipeline and TF runtime; tracing slows the steps,
+so those runs are written to their own `-profile` file and left out of the targets and
+throughput plots. TensorFlow 2.21's profiler now and then crashes the worker it traces
+(SIGSEGV): a profiled contender that fails is run again, up to 3 times in all.
 
 It prints a markdown table per model (throughput and ratio to `single`, median step time,
 bytes sent + received per worker per step beside the lower bound of benchmarks/lower_bound.py,
@@ -64,6 +66,7 @@ PORT = 2222  # every task has its own namespace, so all can use the same port
 HOROVOD_NOTE = ("not run: Horovod 0.28.1 does not build against TF 2.21 without a source "
                 "patch (see DESIGN.md)")
 QUICK = {"steps": 10, "warmup": 3}
+PROFILE_ATTEMPTS = 3  # a profiled contender is run again when a task crashed
 _POLL = 0.005               # seconds between looks at the phase markers
 _SERVER_START_TIMEOUT = 180.0
 _STOP_GRACE = 5.0
@@ -204,11 +207,11 @@ def trainers_of(contender, tasks):
 class ContenderRun:
     """Starts one contender's cluster, follows its measured window, stops everything."""
 
-    def __init__(self, contender, options, network_mode, workdir, round_index=0):
+    def __init__(self, contender, options, network_mode, workdir, run_label="0"):
         self.contender = contender
         self.options = options
         self.mode = network_mode  # "netns" or "loopback"
-        self.workdir = os.path.join(workdir, f"{contender}-{round_index}")
+        self.workdir = os.path.join(workdir, f"{contender}-{run_label}")
         os.makedirs(self.workdir)
         self.sync_dir = os.path.join(self.workdir, "sync")
         os.makedirs(self.sync_dir)
@@ -686,7 +689,16 @@ def run_contender(contender, options, mode, workdir, bound, model, round_index=0
     label = f"{contender}" + (f" (round {round_index + 1}/{options.repeats})"
                               if options.repeats > 1 else "")
     print(f"[{model}] {label} ...", file=sys.stderr, flush=True)
-    result = ContenderRun(contender, options, mode, workdir, round_index).run()
+    for attempt in range(1, (PROFILE_ATTEMPTS if options.profile else 1) + 1):
+        result = ContenderRun(contender, options, mode, workdir,
+                              f"{round_index}-{attempt}").run()
+        if result["status"] == "ok" or attempt == PROFILE_ATTEMPTS:
+            break
+        # TF 2.21's profiler now and then crashes the worker it traces.
+        print(f"[{model}] {contender}: profiled run failed ({result['error']}); "
+              "running it again", file=sys.stderr, flush=True)
+    if options.profile:
+        result["profile_attempts"] = attempt
     if result["status"] == "ok":
         summarize(result, bound)
         print(f"[{model}] {contender}: {result['units_per_s']:,.0f} {result['unit']}/s, "
