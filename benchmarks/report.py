@@ -78,7 +78,9 @@ def title(run):
     return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, global batch "
             f"{cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps"
             + (f", median of {repeats} runs" if repeats > 1 else "")
-            + f"{' (--quick)' if run.get('quick') else ''}, {run['network']['description']}")
+            + f"{' (--quick)' if run.get('quick') else ''}"
+            + f"{', traced by the profiler (--profile)' if run.get('profiled') else ''}, "
+            + run["network"]["description"])
 
 
 def markdown(run):
@@ -224,7 +226,7 @@ def targets(runs):
     for run in runs:
         hybrid = _ok(run, "hybrid")
         value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
-        if value is not None and run["network"]["mode"] == "netns":
+        if value is not None and run["network"]["mode"] == "netns" and not run.get("profiled"):
             add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps"
                 f"{' (--quick)' if run.get('quick') else ''}: hybrid worker bytes/step "
                 "<= 1.25x lower bound", value, 1.25, "{:.2f}x", lower_is_better=True)
@@ -325,6 +327,8 @@ def plot(runs, results_dir):
         plt.close(fig)
         made[key] = name
     for run in runs:
+        if run.get("profiled"):
+            continue
         bound = (run.get("lower_bound") or {}).get("sent_plus_received")
         bars = [(c["contender"] + ("\n(async)" if not c.get("synchronous", True) else ""),
                  c["summary"].get("worker_bytes_per_step_mean"))
@@ -389,6 +393,20 @@ def readme(runs, images):
              "language model with 4 workers.",
              "- `mwms` and `pss` run under tf_keras (Keras 3 `fit` fails with "
              "MultiWorkerMirroredStrategy on TF 2.21 and has no ParameterServerStrategy).",
+             "- **CPU ms/step**: user + system CPU time of each task's process over the "
+             "measured window, divided by the measured steps. On one machine every task "
+             "shares its cores, so a step lasts at least the tasks' total CPU time divided "
+             "by the cores.",
+             "- **Where a step's time goes** (runs whose file ends in `-profile`, made with "
+             "`--profile`): a TensorFlow profiler trace of the chief, worker 0 and every ps "
+             "over the measured window, split by `benchmarks/trace_summary.py` into "
+             "categories of thread time per step (an event's time counts its waits, so "
+             "all-reduce includes waiting for the other workers); tracing slows the steps, "
+             "so these runs count in no target or plot.",
+             "- `text` is the design's overhead model (keras_examples/text_classifier.py: "
+             "200,000 x 64 table, mean-pooled, Dense 256, batch 256, SGD), measured on "
+             "loopback against the design spike's figures (12.5 steps/s; "
+             "MultiWorkerMirroredStrategy 25.3, one process 193 on its machine and day).",
              "- All tasks share this machine's cores: the machine is named with each run "
              "(and the load average before it: other work on the machine skews figures).",
              ""]
