@@ -71,7 +71,7 @@ def sum_sparse(replica_slices, replica_devices, table):
     for host, host_slices in _by_host(replica_slices, replica_devices):
         with tf.device(host), tf.name_scope("local_aggregation"):
             merged = merge_duplicates(concat_slices(host_slices))
-            for k, part in enumerate(table_lib.split_slices(merged, table.offsets)):
+            for k, part in enumerate(table_lib.split_slices(merged, table.num_shards)):
                 parts_by_shard[k].append(part)
     sums = []
     for shard, parts in zip(table.shards, parts_by_shard):
@@ -90,7 +90,7 @@ def sum_dense(replica_values, replica_devices, table):
     for host, host_values in _by_host(replica_values, replica_devices):
         with tf.device(host), tf.name_scope("local_aggregation"):
             total = tf.add_n(host_values) if len(host_values) > 1 else host_values[0]
-            for k, part in enumerate(table_lib.split_dense(total, table.offsets)):
+            for k, part in enumerate(table_lib.split_dense(total, table.num_shards)):
                 parts_by_shard[k].append(part)
     sums = []
     for shard, parts in zip(table.shards, parts_by_shard):
@@ -102,12 +102,5 @@ def sum_dense(replica_values, replica_devices, table):
 def join_shards(shard_sums, table):
     """One table-wide gradient from per-shard sums (global row ids for slices)."""
     if not isinstance(shard_sums[0], tf.IndexedSlices):
-        return tf.concat(shard_sums, 0) if len(shard_sums) > 1 else shard_sums[0]
-    if len(shard_sums) == 1:
-        part = shard_sums[0]
-        return tf.IndexedSlices(part.values, part.indices, table.shape)
-    return tf.IndexedSlices(
-        tf.concat([s.values for s in shard_sums], 0),
-        tf.concat([s.indices + tf.cast(start, s.indices.dtype)
-                   for s, start in zip(shard_sums, table.offsets)], 0),
-        table.shape)
+        return table_lib.join_dense(shard_sums) if len(shard_sums) > 1 else shard_sums[0]
+    return table_lib.join_slices(shard_sums, table.shape)

@@ -56,15 +56,19 @@ class VariableInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Rows `[start, stop)` of a PS table, on PS task `task` (None: the local CPU)."""
+    """Shard `index` of `count` of a `table_rows`-row PS table, on PS task `task` (None:
+    the local CPU). It holds rows index, index + count, index + 2 * count, ... (the
+    slice `index::count`), so the table's frequent rows, often its first ones, are
+    spread over every shard."""
 
     task: int | None
-    start: int
-    stop: int
+    index: int
+    count: int
+    table_rows: int
 
     @property
     def rows(self):
-        return self.stop - self.start
+        return len(range(self.index, self.table_rows, self.count))
 
     @property
     def device_name(self):
@@ -140,7 +144,7 @@ class PlacementPlan:
                 row_bytes = r.nbytes // max(r.shape[0], 1)
                 rows += [(f"  shard {k}", _shape_text((s.rows,) + tuple(r.shape[1:])),
                           f"{s.rows * row_bytes:,}", s.device_name,
-                          f"rows {s.start}-{s.stop - 1}")
+                          f"rows {s.index}::{s.count}")
                          for k, s in enumerate(r.placement.shards)]
         widths = [max(len(row[i]) for row in rows) for i in range(5)]
         return "\n".join(
@@ -209,8 +213,9 @@ class PlacementPolicy:
       2. `architecture="allreduce"`: mirrored; `"ps"`: every layer weight on a PS;
       3. `"hybrid"`: weights of Embedding layers (and subclasses) on a PS,
          everything else mirrored.
-    A PS variable is split by contiguous row ranges into
-    `min(num_ps, bytes // min_shard_bytes)` shards (at least one), or the number
+    A PS variable's rows are dealt into
+    `min(num_ps, bytes // min_shard_bytes)` shards (at least one; shard k of S
+    holds rows k::S), or the number
     `table_shards` gives for it; each shard goes to the PS task holding the
     fewest bytes so far, a table's shards to distinct tasks while there are
     enough (greedy by size, as Parallax balances its servers). Non-layer
@@ -259,17 +264,16 @@ class PlacementPolicy:
         rows = int(info.shape[0]) if info.shape else 1
         count = self._shard_count(info, rows)
         row_bytes = info.nbytes // max(rows, 1)
-        shards, start, used = [], 0, set()
+        shards, used = [], set()
         for k in range(count):
-            size = rows // count + (1 if k < rows % count else 0)
-            task = None
+            shard = Shard(None, k, count, rows)
             if self.num_ps:
                 free = [t for t in range(self.num_ps) if t not in used] or range(self.num_ps)
                 task = min(free, key=self._ps_bytes.__getitem__)
                 used.add(task)
-                self._ps_bytes[task] += size * row_bytes
-            shards.append(Shard(task, start, start + size))
-            start += size
+                self._ps_bytes[task] += shard.rows * row_bytes
+                shard = dataclasses.replace(shard, task=task)
+            shards.append(shard)
         return tuple(shards)
 
     def _shard_count(self, info, rows):

@@ -229,16 +229,14 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             # An optimizer slot of a PS table: sharded exactly like the table.
             kwargs.pop("colocate_with")
             path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
-            layout = [(shard.device, start, stop) for shard, start, stop in
-                      zip(colocate_with.shards, colocate_with.offsets,
-                          colocate_with.offsets[1:])]
+            layout = [(shard.device, int(shard.shape[0])) for shard in colocate_with.shards]
             return self._create_table(next_creator, kwargs, path, colocate_with.shape,
                                       layout, context.initializer)
         info = _describe_variable(kwargs, context) if colocate_with is None else None
         if info is not None:
             decided = self.policy.decide(info)
             if decided.kind == placement_lib.PS:
-                layout = [(self._ps_devices[shard.task or 0], shard.start, shard.stop)
+                layout = [(self._ps_devices[shard.task or 0], shard.rows)
                           for shard in decided.shards]
                 return self._create_table(next_creator, kwargs, info.path, info.shape,
                                           layout, context.initializer)
@@ -248,19 +246,17 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         return variable
 
     def _create_table(self, next_creator, kwargs, path, shape, layout, initializer):
-        """One shard variable per (device, start, stop) of `layout`, as a ShardedTable."""
+        """One shard variable per (device, rows) of `layout`, as a ShardedTable."""
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
         initial_values = table_lib.shard_initial_values(
-            kwargs["initial_value"], initializer, shape, dtype,
-            [(start, stop) for _, start, stop in layout])
+            kwargs["initial_value"], initializer, shape, dtype, len(layout))
         name = kwargs.get("name") or path.rsplit("/", 1)[-1]
         shards = []
-        for k, ((device, start, stop), initial_value) in enumerate(
-                zip(layout, initial_values)):
+        for k, ((device, rows), initial_value) in enumerate(zip(layout, initial_values)):
             shard_kwargs = dict(kwargs, initial_value=initial_value,
                                 name=f"{name}/part_{k}" if len(layout) > 1 else name)
             if shard_kwargs.get("shape") is not None:
-                shard_kwargs["shape"] = tf.TensorShape([stop - start]).concatenate(
+                shard_kwargs["shape"] = tf.TensorShape([rows]).concatenate(
                     tf.TensorShape(shape)[1:])
             with tf.device(device):
                 shards.append(next_creator(**shard_kwargs))
@@ -424,8 +420,8 @@ def _shard_gradients(grad, table):
     if sums is not None:
         return sums
     if isinstance(grad, tf.IndexedSlices):
-        return table_lib.split_slices(communication.merge_duplicates(grad), table.offsets)
-    return table_lib.split_dense(grad, table.offsets)
+        return table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
+    return table_lib.split_dense(grad, table.num_shards)
 
 
 def _table_of(slot):

@@ -1,8 +1,10 @@
 """PS tables: variables split by rows over parameter-server tasks, read and updated by row.
 
-A `ShardedTable` holds one TensorFlow resource variable per contiguous row range,
-each on the PS device `placement` chose for it. It stands in for the variable that
-Keras (3 or tf_keras) asked for:
+A `ShardedTable` of S shards holds one TensorFlow resource variable per shard, each on
+the PS device `placement` chose for it; shard k holds rows k, k + S, k + 2S, ... of
+the table, so that frequent ids, which are often the small ones (vocabularies sorted
+by frequency), are spread over every PS. It stands in for the variable that Keras
+(3 or tf_keras) asked for:
 
 - `lookup` (reached through `tf.gather`, `tf.nn.embedding_lookup` and Keras 3's
   `ops.take`) deduplicates the ids on the worker, gathers each shard's rows on its
@@ -21,8 +23,8 @@ know a variable by `handle`, and each read records the table-wide gradient for i
 import tensorflow as tf
 from hybrid_strategy import table
 shards = [tf.Variable(tf.reshape(tf.range(8.0), (4, 2))), tf.Variable(tf.ones((3, 2)))]
-t = table.ShardedTable(shards, "emb/embeddings")
-print(tf.gather(t, [5, 1, 5]))   # rows 5 (second shard), 1, 5
+t = table.ShardedTable(shards, "emb/embeddings")   # rows 0, 2, 4, 6 and 1, 3, 5
+print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the second's first)
 ```
 """
 
@@ -50,10 +52,14 @@ _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
 
 @dispatch.register_dispatchable_type
 class ShardedTable(tf.__internal__.tracking.Trackable):
-    """A variable split by contiguous row ranges into `shards`, one per PS device.
+    """A variable whose rows are dealt over `shards`, one per PS device.
+
+    Shard k of S holds rows k, k + S, k + 2S, ...: row r is row r // S of shard
+    r % S, so the first shards hold one row more when S does not divide the rows.
 
     Args:
-        shards: tf.Variables with the same trailing shape, in row order.
+        shards: tf.Variables with the same trailing shape, the k-th holding rows
+            k::S of the table.
         path: The name users know the table by, e.g. "embedding/embeddings".
         name: The variable name Keras asked for (default: the path's last part).
     """
@@ -67,8 +73,12 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
         self.path = path
         self._name = name or path.rsplit("/", 1)[-1]
         rows = [int(s.shape[0]) for s in self.shards]
-        self.offsets = tuple(int(x) for x in np.cumsum([0] + rows))
-        self._shape = tf.TensorShape([self.offsets[-1]]).concatenate(self.shards[0].shape[1:])
+        if rows != shard_rows(sum(rows), len(rows)):
+            raise ValueError(
+                f"table {path}: shards of {rows} rows cannot hold rows k::{len(rows)} of "
+                f"{sum(rows)} rows; shard k needs {shard_rows(sum(rows), len(rows))}[k].")
+        self.num_shards = len(rows)
+        self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
 
     # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
 
@@ -146,7 +156,10 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
         return _read_whole(self)
 
     def numpy(self):
-        return np.concatenate([s.numpy() for s in self.shards], axis=0)
+        whole = np.empty(self._shape.as_list(), dtype=self.dtype.as_numpy_dtype)
+        for k, shard in enumerate(self.shards):
+            whole[k::self.num_shards] = shard.numpy()
+        return whole
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.numpy(), dtype=dtype)
@@ -174,14 +187,14 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
     def _write_rows(self, value, method):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
         ops = []
-        for shard, part in zip(self.shards, split_dense(value, self.offsets)):
+        for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
             with tf.device(shard.device):
                 ops.append(getattr(shard, method)(part, read_value=False))
         return tf.group(ops)
 
     def _scatter(self, sparse_delta, method):
         ops = []
-        for shard, part in zip(self.shards, split_slices(sparse_delta, self.offsets)):
+        for shard, part in zip(self.shards, split_slices(sparse_delta, self.num_shards)):
             with tf.device(shard.device):
                 ops.append(getattr(shard, method)(part))
         return tf.group(ops)
@@ -232,51 +245,73 @@ _ROW_WISE_INITIALIZERS = ("Zeros", "Ones", "Constant", "RandomUniform", "RandomN
                           "TruncatedNormal")
 
 
-def shard_initial_values(initial_value, initializer, shape, dtype, ranges):
-    """One initial value per shard row range `(start, stop)` of a `shape` table.
+def shard_rows(rows, num_shards):
+    """Rows of each of `num_shards` shards of a `rows`-row table (shard k: k::S)."""
+    return [len(range(k, rows, num_shards)) for k in range(num_shards)]
+
+
+def shard_initial_values(initial_value, initializer, shape, dtype, num_shards):
+    """One initial value per shard of a `shape` table dealt over `num_shards`.
 
     Row-wise initializers run per shard (the full table is never built); anything
     else is built whole where the shard's variable is created, on its PS, and
     sliced there, so a worker or the chief never holds the table.
     """
-    if len(ranges) == 1:
+    if num_shards == 1:
         return [initial_value]
     shape = tf.TensorShape(shape)
     if initializer is not None and type(initializer).__name__ in _ROW_WISE_INITIALIZERS:
-        return [lambda rows=stop - start: initializer(
+        return [lambda rows=rows: initializer(
                     tf.TensorShape([rows]).concatenate(shape[1:]), dtype=dtype)
-                for start, stop in ranges]
+                for rows in shard_rows(shape[0], num_shards)]
 
-    def rows_of(start, stop):
+    def rows_of(k):
         value = initial_value() if callable(initial_value) else initial_value
-        return tf.convert_to_tensor(value, dtype=dtype)[start:stop]
+        return tf.convert_to_tensor(value, dtype=dtype)[k::num_shards]
 
-    return [lambda start=start, stop=stop: rows_of(start, stop) for start, stop in ranges]
+    return [lambda k=k: rows_of(k) for k in range(num_shards)]
 
 
-def split_dense(value, offsets):
-    """Splits a dense [rows, ...] tensor into the shards' row ranges."""
-    if len(offsets) == 2:
+def split_dense(value, num_shards):
+    """Splits a dense [rows, ...] tensor into the shards' rows (k::num_shards)."""
+    if num_shards == 1:
         return [value]
-    return tf.split(value, np.diff(offsets).tolist(), axis=0)
+    return [value[k::num_shards] for k in range(num_shards)]
 
 
-def shard_of(ids, offsets):
-    """Which shard holds each (global) row id."""
-    boundaries = tf.constant(offsets[1:-1], dtype=ids.dtype)
-    return tf.searchsorted(boundaries, ids, side="right", out_type=tf.int32)
+def join_dense(parts):
+    """The inverse of `split_dense`: interleaves the shards' rows into one tensor."""
+    if len(parts) == 1:
+        return tf.identity(parts[0])
+    rows = sum(int(p.shape[0]) for p in parts)
+    positions = [tf.range(k, rows, len(parts)) for k in range(len(parts))]
+    return tf.dynamic_stitch(positions, parts)
 
 
-def split_slices(slices, offsets):
+def shard_of(ids, num_shards):
+    """(shard, row within the shard) of each global row id."""
+    return (tf.cast(ids % num_shards, tf.int32), ids // num_shards)
+
+
+def split_slices(slices, num_shards):
     """Splits table-wide `IndexedSlices` into per-shard ones with local row ids."""
-    if len(offsets) == 2:
+    if num_shards == 1:
         return [slices]
-    num_shards = len(offsets) - 1
-    shard = shard_of(slices.indices, offsets)
-    local = slices.indices - tf.gather(tf.constant(offsets[:-1], slices.indices.dtype), shard)
+    shard, local = shard_of(slices.indices, num_shards)
     values = tf.dynamic_partition(slices.values, shard, num_shards)
     indices = tf.dynamic_partition(local, shard, num_shards)
     return [tf.IndexedSlices(v, i, None) for v, i in zip(values, indices)]
+
+
+def join_slices(parts, dense_shape):
+    """The inverse of `split_slices`: one `IndexedSlices` with global row ids."""
+    num_shards = len(parts)
+    if num_shards == 1:
+        return tf.IndexedSlices(parts[0].values, parts[0].indices, dense_shape)
+    return tf.IndexedSlices(
+        tf.concat([p.values for p in parts], 0),
+        tf.concat([p.indices * num_shards + k for k, p in enumerate(parts)], 0),
+        dense_shape)
 
 
 def _read_whole(table):
@@ -287,7 +322,7 @@ def _read_whole(table):
             with tf.device(shard.device):
                 parts.append(gen_resource_variable_ops.read_variable_op(
                     shard.handle, table.dtype))
-        whole = tf.concat(parts, 0) if len(parts) > 1 else tf.identity(parts[0])
+        whole = join_dense(parts)
     _record_gradient(table, whole, lambda dy: _remember(tf.identity(dy), table))
     return whole
 
@@ -349,10 +384,9 @@ def _gather_rows(table, unique_ids):
         with tf.device(table.device):
             return gen_resource_variable_ops.resource_gather(
                 table.handle, unique_ids, dtype=table.dtype)
-    num_shards = len(table.shards)
-    shard = shard_of(unique_ids, table.offsets)
-    starts = tf.gather(tf.constant(table.offsets[:-1], unique_ids.dtype), shard)
-    local_ids = tf.dynamic_partition(unique_ids - starts, shard, num_shards)
+    num_shards = table.num_shards
+    shard, local = shard_of(unique_ids, num_shards)
+    local_ids = tf.dynamic_partition(local, shard, num_shards)
     positions = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard, num_shards)
     parts = []
     for s, ids in zip(table.shards, local_ids):

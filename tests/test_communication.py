@@ -8,7 +8,7 @@ from hybrid_strategy import communication
 from hybrid_strategy import table as table_lib
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
-IDS = [5, 1, 5, 2]  # rows 0-3 on shard 0, rows 4-6 on shard 1
+IDS = [5, 1, 5, 2]  # a 7-row table: rows 0, 2, 4, 6 on shard 0, rows 1, 3, 5 on shard 1
 
 
 def shard_sums(prefixes_per_replica):
@@ -47,7 +47,7 @@ def test_sum_sparse_sums_every_row_once_per_shard(prefixes_per_replica, counts):
     sums = shard_sums(prefixes_per_replica)
     expected = {0: {}, 1: {}}
     for row, count in counts.items():
-        shard, local = (0, row) if row < 4 else (1, row - 4)
+        shard, local = row % 2, row // 2
         expected[shard][local] = [float(count)] * 2
     assert sums == expected
 

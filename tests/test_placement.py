@@ -15,7 +15,7 @@ def info(path, shape=(10, 4), classes=DENSE):
 def test_hybrid_puts_embeddings_on_ps_and_the_rest_mirrored():
     policy = placement.PlacementPolicy("hybrid", num_ps=1)
     decided = policy.decide(info("emb/embeddings", classes=EMBEDDING))
-    assert decided == placement.Placement("ps", (placement.Shard(0, 0, 10),))
+    assert decided == placement.Placement("ps", (placement.Shard(0, 0, 1, 10),))
     assert policy.decide(info("dense/kernel")) == placement.Placement("mirrored")
 
 
@@ -51,10 +51,12 @@ def test_small_tables_stay_whole_balanced_by_bytes():
 def test_large_tables_split_by_rows_over_every_ps_task():
     policy = placement.PlacementPolicy("hybrid", num_ps=3)
     decided = policy.decide(info("words/embeddings", (100_000, 64), EMBEDDING))
-    assert decided.shards == (placement.Shard(0, 0, 33334), placement.Shard(1, 33334, 66667),
-                              placement.Shard(2, 66667, 100_000))
+    assert decided.shards == tuple(placement.Shard(k, k, 3, 100_000) for k in range(3))
+    assert [s.rows for s in decided.shards] == [33334, 33333, 33333]
     assert policy.plan.bytes_per_ps_task(3) == [33334 * 256, 33333 * 256, 33333 * 256]
     assert str(decided) == "3 shards on ps"
+    plan = str(policy.plan)
+    assert "rows 0::3" in plan and "rows 2::3" in plan
 
 
 def test_shard_count_follows_min_shard_bytes_and_table_shards():
@@ -81,8 +83,8 @@ def test_plan_lists_every_shard():
     lines = str(policy.plan).splitlines()
     assert lines[1].split()[:4] == ["words/embeddings", "100000x64", "25,600,000", "2"]
     assert lines[2].split() == ["shard", "0", "50000x64", "12,800,000", "/job:ps/task:0",
-                                "rows", "0-49999"]
-    assert lines[3].split()[4] == "/job:ps/task:1"
+                                "rows", "0::2"]
+    assert lines[3].split()[4:] == ["/job:ps/task:1", "rows", "1::2"]
 
 
 def test_overrides_match_paths_and_layer_names():
@@ -99,7 +101,7 @@ def test_overrides_match_paths_and_layer_names():
 def test_single_machine_ps_variables_live_on_the_local_cpu():
     policy = placement.PlacementPolicy("hybrid", num_ps=0)
     decided = policy.decide(info("words/embeddings", (100_000, 64), EMBEDDING))
-    assert decided == placement.Placement("ps", (placement.Shard(None, 0, 100_000),))
+    assert decided == placement.Placement("ps", (placement.Shard(None, 0, 1, 100_000),))
     assert str(decided) == "ps (local CPU)"
 
 

@@ -29,16 +29,38 @@ def sharded_model(rows=100, shards=3, optimizer="adagrad"):
 
 
 def test_lookup_stitches_rows_from_every_shard_in_order():
-    shards = [tf.Variable(np.arange(8.0).reshape(4, 2)),
-              tf.Variable(np.arange(8.0, 14.0).reshape(3, 2)),
-              tf.Variable(np.arange(14.0, 20.0).reshape(3, 2))]
-    table = table_lib.ShardedTable(shards, "t/embeddings")
     whole = np.arange(20.0).reshape(10, 2)
+    # Shard k holds rows k, k + 3, ...: 4, 3 and 3 rows.
+    shards = [tf.Variable(whole[k::3]) for k in range(3)]
+    table = table_lib.ShardedTable(shards, "t/embeddings")
     ids = np.array([[9, 0, 4], [4, 3, 7]])
     np.testing.assert_array_equal(tf.gather(table, ids).numpy(), whole[ids])
     np.testing.assert_array_equal(tf.nn.embedding_lookup(table, ids).numpy(), whole[ids])
     np.testing.assert_array_equal(tf.convert_to_tensor(table).numpy(), whole)
     assert tf.shape(table).numpy().tolist() == [10, 2]
+
+
+def test_rows_are_dealt_over_the_shards_and_joined_back():
+    whole = np.arange(14.0).reshape(7, 2)
+    parts = table_lib.split_dense(tf.constant(whole), 3)
+    assert [p.numpy()[:, 0].tolist() for p in parts] == [[0, 6, 12], [2, 8], [4, 10]]
+    np.testing.assert_array_equal(table_lib.join_dense(parts).numpy(), whole)
+    table = table_lib.ShardedTable([tf.Variable(p) for p in parts], "t/embeddings")
+    np.testing.assert_array_equal(table.numpy(), whole)
+    table.assign(whole + 1)
+    np.testing.assert_array_equal(tf.convert_to_tensor(table).numpy(), whole + 1)
+    slices = tf.IndexedSlices(tf.constant([[1.0], [2.0], [3.0]]), tf.constant([4, 3, 6]))
+    local = table_lib.split_slices(slices, 3)
+    assert [p.indices.numpy().tolist() for p in local] == [[1, 2], [1], []]  # 3, 6 | 4 | -
+    joined = table_lib.join_slices(local, [7, 1])
+    assert sorted(zip(joined.indices.numpy().tolist(), joined.values.numpy()[:, 0])) == [
+        (3, 2.0), (4, 1.0), (6, 3.0)]
+
+
+def test_shards_that_cannot_hold_dealt_rows_are_refused():
+    with pytest.raises(ValueError, match=r"shards of \[3, 4\] rows"):
+        table_lib.ShardedTable([tf.Variable(tf.ones((3, 2))), tf.Variable(tf.ones((4, 2)))],
+                               "t/embeddings")
 
 
 def test_gradient_is_one_table_wide_indexed_slices_with_rows_merged():
