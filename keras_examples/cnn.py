@@ -47,7 +47,6 @@ import functools
 from absl import app
 from absl import flags
 import numpy as np
-import tensorflow as tf
 import keras
 
 try:
@@ -144,13 +143,7 @@ def make_dataset(num_examples, batch_size, image_size=32, num_classes=10, seed=0
     every step has the same shape.
     """
     images, labels = make_arrays(num_examples, image_size, num_classes, seed)
-    dataset = tf.data.Dataset.from_tensor_slices((images, labels))
-    if repeat:
-        dataset = dataset.repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    options = tf.data.Options()
-    options.deterministic = True
-    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return common.batched_dataset((images, labels), batch_size, repeat)
 
 
 def build_model(image_size=32, num_classes=10, filters=(16, 32, 64), dense_units=128,

@@ -1,5 +1,5 @@
-"""What the examples share: their common flags, the strategy, training and its final line,
-step timing and Zipf-like ids.
+"""What the examples share: their common flags, the strategy, datasets, training and its
+final line, step timing and Zipf-like ids.
 
 ```python
 from keras_examples import common
@@ -11,6 +11,7 @@ def define_flags():   # called under `if __name__ == "__main__":`, before app.ru
     ...                                               # the example's own flags
 
 strategy = common.make_strategy("hybrid", "hybrid")   # or "mirrored", "none"
+train = common.batched_dataset((x, y), FLAGS.batch_size, repeat=True)   # numpy arrays in
 last, steps_per_second = common.train(model, train, validation)   # fit, with --epochs ...
 common.print_final(last, ["val_auc", "val_loss"], steps_per_second, FLAGS.batch_size)
 ids = common.zipf_ids(np.random.default_rng(0), size=1000, count=64, exponent=1.1)
@@ -86,6 +87,21 @@ def print_strategy(strategy):
           f"{strategy.num_replicas_in_sync} replica(s)")
     if isinstance(strategy, hybrid_strategy.HybridStrategy):
         print(strategy.placement)
+
+
+def batched_dataset(arrays, batch_size, repeat=False):
+    """`arrays` (numpy, any nesting) as a deterministic dataset of `batch_size` batches.
+
+    Partial batches are dropped, so every step has the same shape; with `repeat` the
+    examples repeat without end.
+    """
+    dataset = tf.data.Dataset.from_tensor_slices(arrays)
+    if repeat:
+        dataset = dataset.repeat()
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    options = tf.data.Options()
+    options.deterministic = True
+    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
 def train(model, train_data, validation_data, callbacks=()):

@@ -129,13 +129,7 @@ def make_dataset(num_sequences, batch_size, vocab=100_000, seq_len=20, seed=0,
     shape.
     """
     inputs, targets = make_arrays(num_sequences, vocab, seq_len, seed)
-    dataset = tf.data.Dataset.from_tensor_slices((inputs, targets))
-    if repeat:
-        dataset = dataset.repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    options = tf.data.Options()
-    options.deterministic = True
-    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return common.batched_dataset((inputs, targets), batch_size, repeat)
 
 
 # Model --------------------------------------------------------------------------------

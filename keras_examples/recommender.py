@@ -30,7 +30,6 @@ also traces the training function, so it is left out when there is more than one
 from absl import app
 from absl import flags
 import numpy as np
-import tensorflow as tf
 import keras
 
 try:
@@ -84,13 +83,7 @@ def make_dataset(num_examples, batch_size, table_sizes=DEFAULT_TABLE_SIZES, num_
     its replicas. Partial batches are dropped so every step has the same shape.
     """
     features, labels = make_arrays(num_examples, table_sizes, num_dense, seed)
-    dataset = tf.data.Dataset.from_tensor_slices((features, labels))
-    if repeat:
-        dataset = dataset.repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    options = tf.data.Options()
-    options.deterministic = True
-    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return common.batched_dataset((features, labels), batch_size, repeat)
 
 
 def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128),

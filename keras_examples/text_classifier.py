@@ -45,7 +45,6 @@ also traces the training function, so it is left out when there is more than one
 from absl import app
 from absl import flags
 import numpy as np
-import tensorflow as tf
 import keras
 
 try:
@@ -88,13 +87,7 @@ def make_dataset(num_examples, batch_size, vocab_size=200_000, doc_len=16, seed=
     its replicas. Partial batches are dropped so every step has the same shape.
     """
     ids, labels = make_arrays(num_examples, vocab_size, doc_len, seed)
-    dataset = tf.data.Dataset.from_tensor_slices((ids, labels))
-    if repeat:
-        dataset = dataset.repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    options = tf.data.Options()
-    options.deterministic = True
-    return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return common.batched_dataset((ids, labels), batch_size, repeat)
 
 
 def build_model(vocab_size=200_000, embedding_dim=64, dense_units=256, learning_rate=2.0):
