@@ -54,6 +54,11 @@ class VariableInfo:
         return math.prod(int(d) for d in self.shape) * self.itemsize
 
 
+def shard_rows(rows, num_shards):
+    """Rows of each of `num_shards` shards of a `rows`-row table, shard k holding k::S."""
+    return [len(range(k, rows, num_shards)) for k in range(num_shards)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """Shard `index` of `count` of a `table_rows`-row PS table, on PS task `task` (None:
@@ -68,7 +73,7 @@ class Shard:
 
     @property
     def rows(self):
-        return len(range(self.index, self.table_rows, self.count))
+        return shard_rows(self.table_rows, self.count)[self.index]
 
     @property
     def device_name(self):

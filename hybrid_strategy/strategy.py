@@ -229,32 +229,32 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             # An optimizer slot of a PS table: sharded exactly like the table.
             kwargs.pop("colocate_with")
             path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
-            layout = [(shard.device, int(shard.shape[0])) for shard in colocate_with.shards]
             return self._create_table(next_creator, kwargs, path, colocate_with.shape,
-                                      layout, context.initializer)
+                                      colocate_with.devices, context.initializer)
         info = _describe_variable(kwargs, context) if colocate_with is None else None
         if info is not None:
             decided = self.policy.decide(info)
             if decided.kind == placement_lib.PS:
-                layout = [(self._ps_devices[shard.task or 0], shard.rows)
-                          for shard in decided.shards]
+                devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
                 return self._create_table(next_creator, kwargs, info.path, info.shape,
-                                          layout, context.initializer)
+                                          devices, context.initializer)
         variable = super()._create_variable(next_creator, **kwargs)
         if info is not None:
             self._variable_paths[variable.ref()] = info.path
         return variable
 
-    def _create_table(self, next_creator, kwargs, path, shape, layout, initializer):
-        """One shard variable per (device, rows) of `layout`, as a ShardedTable."""
+    def _create_table(self, next_creator, kwargs, path, shape, devices, initializer):
+        """A ShardedTable of one shard variable per device in `devices` (shard k: k::S)."""
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
         initial_values = table_lib.shard_initial_values(
-            kwargs["initial_value"], initializer, shape, dtype, len(layout))
+            kwargs["initial_value"], initializer, shape, dtype, len(devices))
         name = kwargs.get("name") or path.rsplit("/", 1)[-1]
         shards = []
-        for k, ((device, rows), initial_value) in enumerate(zip(layout, initial_values)):
+        for k, (device, rows, initial_value) in enumerate(
+                zip(devices, placement_lib.shard_rows(tf.TensorShape(shape)[0], len(devices)),
+                    initial_values)):
             shard_kwargs = dict(kwargs, initial_value=initial_value,
-                                name=f"{name}/part_{k}" if len(layout) > 1 else name)
+                                name=f"{name}/part_{k}" if len(devices) > 1 else name)
             if shard_kwargs.get("shape") is not None:
                 shard_kwargs["shape"] = tf.TensorShape([rows]).concatenate(
                     tf.TensorShape(shape)[1:])

@@ -44,6 +44,8 @@ from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.util import dispatch
 
+from hybrid_strategy.placement import shard_rows
+
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
 _LOOKUPS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
@@ -243,11 +245,6 @@ def is_table(value):
 # its own rows directly, on its own PS.
 _ROW_WISE_INITIALIZERS = ("Zeros", "Ones", "Constant", "RandomUniform", "RandomNormal",
                           "TruncatedNormal")
-
-
-def shard_rows(rows, num_shards):
-    """Rows of each of `num_shards` shards of a `rows`-row table (shard k: k::S)."""
-    return [len(range(k, rows, num_shards)) for k in range(num_shards)]
 
 
 def shard_initial_values(initial_value, initializer, shape, dtype, num_shards):
