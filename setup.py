@@ -1,4 +1,4 @@
-"""Installs hybrid_strategy: `pip install -e .[test]` brings TensorFlow 2.21 (CPU) and the rest."""
+"""Installs hybrid_strategy: `pip install -e .[test]` brings TensorFlow 2.21 and the rest."""
 from setuptools import find_packages, setup
 
 setup(
@@ -11,12 +11,19 @@ setup(
     packages=find_packages(include=["hybrid_strategy", "hybrid_strategy.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "tensorflow-cpu>=2.21,<2.22",
+        # The one name every TensorFlow 2.21 build answers to (CPU-only machines and
+        # GPUs alike, `tensorflow[and-cuda]` included), and the one tf-keras requires:
+        # depending on `tensorflow-cpu` would put a second copy beside it.
+        "tensorflow>=2.21,<2.22",
+        # Keras' TensorBoard callback and the profiler's viewer need it; TensorFlow
+        # itself no longer installs it.
+        "tensorboard>=2.21,<2.22",
         "numpy",
         "absl-py",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # tf_keras (TF_USE_LEGACY_KERAS=1): the tests run under it as well as Keras 3.
+        "test": ["pytest>=8", "tf-keras>=2.21,<2.22"],
         # Plots of benchmarks/results (python -m benchmarks.report).
         "bench": ["matplotlib"],
     },
