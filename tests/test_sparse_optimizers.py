@@ -5,8 +5,8 @@ d_i = max(|r_i|, 1e-3 * max_j |r_j|): a plain relative error, except that an ele
 that cancels to nearly zero is judged against 1/1000 of its tensor's scale rather
 than against its own tiny magnitude. Tolerance 1e-5 everywhere.
 
-The tf_keras cases are skipped when tf_keras is not installed (it installs with
-`pip install --no-deps "tf-keras==2.21.*"` next to tensorflow-cpu).
+The tf_keras cases are skipped when tf_keras is not installed (the `test` extra
+installs it).
 """
 
 import inspect
