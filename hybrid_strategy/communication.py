@@ -1,7 +1,7 @@
 """Gradient aggregation for PS tables: per-worker local sums, then one sum per shard on its PS.
 
 Gradients of mirrored variables take TensorFlow's collective all-reduce (see the
-strategy); this module holds the parameter-server side: summing a PS table's
+strategy, and `dense_options` for its implementation); this module holds the parameter-server side: summing a PS table's
 gradients (`tf.IndexedSlices` the Parallax way, or dense ones) where it lives. Each worker first merges its replicas' slices (duplicate rows summed
 once) and splits them by shard, so only its distinct rows cross the network, each
 to the PS that holds it; that PS then sums the workers' parts, again merging
@@ -40,6 +40,26 @@ def concat_slices(slices_list):
         tf.concat([s.indices for s in slices_list], 0),
         slices_list[0].dense_shape,
     )
+
+
+def dense_options(devices, on_cluster):
+    """All-reduce options for the mirrored variables where TensorFlow's own choice misfires.
+
+    MirroredStrategy's choice (RING on CPUs, NCCL on GPUs) falls back to RING when
+    this process sees fewer physical GPUs than logical ones, as with virtual GPUs.
+    On a cluster the chief compares its own GPUs (often none) with every worker's,
+    so a cluster of GPU workers would get RING: it gets NCCL here. None elsewhere.
+
+    ```python
+    devices = ["/job:worker/replica:0/task:0/device:GPU:0",
+               "/job:worker/replica:0/task:1/device:GPU:0"]
+    print(dense_options(devices, on_cluster=True).implementation)   # NCCL
+    ```
+    """
+    if on_cluster and devices and all("/device:GPU:" in d for d in devices):
+        return tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.NCCL)
+    return None
 
 
 def host_of(device):

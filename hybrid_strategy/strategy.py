@@ -17,6 +17,7 @@ print(strategy.placement)
 ```
 """
 
+import atexit
 import inspect
 import itertools
 import os
@@ -38,6 +39,9 @@ from tensorflow.python.distribute import numpy_dataset
 from tensorflow.python.distribute import values as values_lib
 # TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution).
 from tensorflow.python.ops import control_flow_util_v2
+# TF-private: the registry whose absence makes a traced function skip removing itself
+# from the eager context when it is garbage-collected (see _keep_functions_at_exit).
+from tensorflow.python.eager.polymorphic_function import atomic_function
 
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
@@ -198,6 +202,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._is_multi_worker_training = config is not None
         self._communication_options = collective_util.Options()
         self._collective_ops = self._make_collective_ops_with_fallbacks()
+        chosen = communication.dense_options(self._devices, config is not None)
+        if chosen is not None:
+            self._communication_options = self._communication_options.merge(chosen)
         if communication_options is not None:
             self._communication_options = self._communication_options.merge(
                 communication_options)
@@ -544,6 +551,7 @@ def _connect(config, timeout):
             tf.train.ClusterSpec(spec), job_name=_CHIEF_JOB, task_index=0,
             protocol="grpc", make_master_device_default=False)
         _connected_cluster = spec
+        atexit.register(_keep_functions_at_exit)
     elif _connected_cluster != spec:
         raise RuntimeError(
             "This process is already connected to another cluster "
@@ -559,3 +567,14 @@ def _connect(config, timeout):
     ps_devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0"
                   for i in range(config.num_ps)]
     return worker_devices, ps_devices
+
+
+def _keep_functions_at_exit():
+    """Lets the interpreter exit without removing traced functions one by one.
+
+    TensorFlow 2.21 cannot release a function whose parts run on remote tasks: each
+    removal at exit logs "Ignoring error status when releasing multi-device function
+    handle UNIMPLEMENTED" and frees nothing, so skip them; the process is ending.
+    """
+    atomic_function.RUNTIME_FUNCTION_REFS = None
+

@@ -58,3 +58,15 @@ def test_merge_duplicates_sums_repeated_rows():
     merged = communication.merge_duplicates(slices)
     assert merged.indices.numpy().tolist() == [3, 0]
     np.testing.assert_array_equal(merged.values.numpy(), [[5.0], [2.0]])
+
+
+def test_gpu_workers_of_a_cluster_all_reduce_with_nccl():
+    gpus = [f"/job:worker/replica:0/task:{i}/device:GPU:0" for i in (0, 1)]
+    nccl = tf.distribute.experimental.CommunicationImplementation.NCCL
+    assert communication.dense_options(gpus, on_cluster=True).implementation == nccl
+    # TensorFlow's own choice stands on one machine (NCCL, or RING for virtual
+    # GPUs), for CPU workers (RING) and for mixed devices.
+    assert communication.dense_options(gpus, on_cluster=False) is None
+    cpus = [g.replace("GPU", "CPU") for g in gpus]
+    assert communication.dense_options(cpus, on_cluster=True) is None
+    assert communication.dense_options([gpus[0], cpus[1]], on_cluster=True) is None
