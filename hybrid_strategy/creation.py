@@ -20,7 +20,6 @@ from hybrid_strategy import placement as placement_lib
 
 # Set by `install_layer_tags` on each Keras 3 layer weight: its layer's class names.
 _LAYER_CLASSES = "_hybrid_layer_classes"
-_STACK_DEPTH = 40
 
 
 class CreationContext(typing.NamedTuple):
@@ -74,10 +73,8 @@ def creation_context():
     code = owner = shape = None
     frame = inspect.currentframe()
     try:
-        for _ in range(_STACK_DEPTH):
+        while frame.f_back is not None:
             frame = frame.f_back
-            if frame is None:
-                break
             name, local = frame.f_code.co_name, frame.f_locals
             this = local.get("self")
             if variable_class is not None and isinstance(this, variable_class):
