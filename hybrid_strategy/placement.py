@@ -34,8 +34,10 @@ class VariableInfo:
     """What the policy knows about a variable at creation time.
 
     Attributes:
-        path: Keras-style path, e.g. "dense_1/kernel".
-        shape: Full shape of the variable.
+        path: The path Keras shows in `model.weights`, e.g. "encoder/dense_1/kernel"
+            (Keras 3 `variable.path`; tf_keras: the variable name without ":0").
+        shape: Full shape of the variable; None when not known at creation (a
+            variable made outside a layer's `add_weight` under tf_keras).
         itemsize: Bytes per element.
         layer_classes: Names of the building layer's class and its bases, most
             derived first; empty when the variable is not a layer weight (optimizer
@@ -51,6 +53,8 @@ class VariableInfo:
 
     @property
     def nbytes(self):
+        if self.shape is None:
+            return 0
         return math.prod(int(d) for d in self.shape) * self.itemsize
 
 
@@ -159,9 +163,11 @@ class PlacementPlan:
 
 
 def _matches(path, pattern):
-    """A pattern matches a variable path or its layer name (the first component)."""
-    return (fnmatch.fnmatchcase(path, pattern)
-            or fnmatch.fnmatchcase(path.split("/", 1)[0], pattern))
+    """A pattern matches a variable's path, its "layer/variable" tail, or the name of
+    a layer on its path ("encoder" and "token_emb" in "encoder/token_emb/embeddings")."""
+    parts = path.split("/")
+    candidates = [path, "/".join(parts[-2:])] + parts[:-1]
+    return any(fnmatch.fnmatchcase(c, pattern) for c in candidates)
 
 
 def validate_table_shards(table_shards):
@@ -213,8 +219,10 @@ class PlacementPolicy:
     """Places variables by architecture, layer type and user overrides.
 
     Rules, first match wins:
-      1. a user override whose pattern matches the path, or the path's first
-         component (the layer name), places it;
+      1. a user override whose pattern matches the path, its "layer/variable"
+         tail, or the name of a layer on the path, places it (a PS placement
+         needs a variable with rows: an override placing one without, such as a
+         scalar or a variable of unknown shape, is an error);
       2. `architecture="allreduce"`: mirrored; `"ps"`: every layer weight on a PS;
       3. `"hybrid"`: weights of Embedding layers (and subclasses) on a PS,
          everything else mirrored.
@@ -255,15 +263,53 @@ class PlacementPolicy:
         self.table_shards = validate_table_shards(table_shards)
         self.plan = PlacementPlan()
         self._ps_bytes = [0] * num_ps
+        self._matched_overrides = set()
 
     def decide(self, info):
         """Returns the `Placement` of `info` and records it in `self.plan`."""
         kind, reason = self._kind(info)
-        placement = Placement(kind, self._shards(info) if kind == PS else ())
-        if info.layer_classes:
-            self.plan.add(PlacementRecord(info.path, tuple(info.shape), info.nbytes,
+        if kind == PS and not info.shape:
+            pattern = self._override_of(info.path)
+            if pattern is not None:
+                shape = "unknown" if info.shape is None else "() (a scalar)"
+                raise ValueError(
+                    f"placement_overrides[{pattern!r}] = 'ps' matches variable "
+                    f"{info.path!r}, whose shape is {shape}: a PS variable is split "
+                    "by rows, so it needs at least one dimension known when it is "
+                    "created. Narrow the pattern to layer weights with rows (the "
+                    "paths of model.weights), or place this variable 'mirrored'.")
+            kind, reason = MIRRORED, f"{reason}, but no rows to split"
+        return self._record(info, Placement(kind, self._shards(info) if kind == PS else ()),
+                            reason, always=False)
+
+    def move_to_ps(self, info, reason):
+        """Places on a PS a variable first placed mirrored, unless an override pins it.
+
+        For a variable found to be read by row after it was created. Returns the
+        new `Placement` (recorded in the plan), or None when the variable stays
+        mirrored: an override names it, `architecture="allreduce"`, or it has no
+        rows.
+        """
+        if (self.architecture == "allreduce" or not info.shape
+                or self._override_of(info.path) is not None):
+            return None
+        return self._record(info, Placement(PS, self._shards(info)), reason, always=True)
+
+    def unmatched_overrides(self):
+        """The `placement_overrides` patterns that matched no variable so far."""
+        return [p for p in self.overrides if p not in self._matched_overrides]
+
+    def _record(self, info, placement, reason, always):
+        if always or info.layer_classes:
+            self.plan.add(PlacementRecord(info.path, tuple(info.shape or ()), info.nbytes,
                                           placement, reason))
         return placement
+
+    def _override_of(self, path):
+        for pattern in self.overrides:
+            if _matches(path, pattern):
+                return pattern
+        return None
 
     def _shards(self, info):
         rows = int(info.shape[0]) if info.shape else 1
@@ -289,9 +335,10 @@ class PlacementPolicy:
         return max(1, min(self.num_ps, by_size, rows))
 
     def _kind(self, info):
-        for pattern, kind in self.overrides.items():
-            if _matches(info.path, pattern):
-                return kind, f"override {pattern!r}"
+        pattern = self._override_of(info.path)
+        if pattern is not None:
+            self._matched_overrides.add(pattern)
+            return self.overrides[pattern], f"override {pattern!r}"
         if not info.layer_classes:
             return MIRRORED, "not a layer weight"
         if self.architecture == "allreduce":

@@ -23,6 +23,7 @@ import itertools
 import os
 import sys
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -42,9 +43,13 @@ from tensorflow.python.ops import control_flow_util_v2
 # TF-private: the registry whose absence makes a traced function skip removing itself
 # from the eager context when it is garbage-collected (see _keep_functions_at_exit).
 from tensorflow.python.eager.polymorphic_function import atomic_function
+# TF-private: ResourceVariable made directly skips the variable creator stack, for
+# the shards of a table that replaces a mirrored variable during a traced step.
+from tensorflow.python.ops import resource_variable_ops
 
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
+from hybrid_strategy import creation
 from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
@@ -53,7 +58,10 @@ _LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 _CHIEF_JOB = "chief"
 # The cluster this process is connected to: TensorFlow keeps one per process.
 _connected_cluster = None
-_collective_key_bases = itertools.count(0, 100)
+# Collective group keys: TensorFlow's MirroredStrategy and MultiWorkerMirroredStrategy
+# start theirs at 1, so a HybridStrategy in the same process starts far above, each
+# with room for as many groups (sets of devices) as it could need.
+_collective_key_bases = itertools.count(1 << 24, 1 << 12)
 # Exit code when a task stops answering during training (sysexits' EX_TEMPFAIL).
 EXIT_TASK_LOST = 75
 
@@ -212,10 +220,16 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._inferred_cross_device_ops = self._collective_ops
         self.experimental_enable_get_next_as_optional = True
         self._use_var_policy = False
-        self._variable_paths = {}
+        # Mirrored variable -> its VariableInfo, and the Keras 3 slots made beside
+        # it (weak references), for moving it to a PS when it is read by row.
+        self._variable_infos = {}
+        self._slots_of = {}
+        self._overrides_checked = False
         self.gradient_types = {}
         self.ps_aggregated = set()
         table_lib.install_keras_hook()
+        table_lib.on_row_read(_move_to_ps_on_row_read)
+        creation.install_layer_tags()
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():
@@ -231,26 +245,32 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
-        context = _creation_context()
+        context = creation.creation_context()
         if table_lib.is_table(colocate_with):
             # An optimizer slot of a PS table: sharded exactly like the table.
             kwargs.pop("colocate_with")
             path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
             return self._create_table(next_creator, kwargs, path, colocate_with.shape,
                                       colocate_with.devices, context.initializer)
-        info = _describe_variable(kwargs, context) if colocate_with is None else None
-        if info is not None:
-            decided = self.policy.decide(info)
-            if decided.kind == placement_lib.PS:
-                devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
-                return self._create_table(next_creator, kwargs, info.path, info.shape,
-                                          devices, context.initializer)
+        if colocate_with is not None:
+            # A slot of a mirrored variable: it moves with the variable.
+            variable = super()._create_variable(next_creator, **kwargs)
+            if context.keras_variable is not None:
+                self._slots_of.setdefault(colocate_with.ref(), []).append(
+                    weakref.ref(context.keras_variable))
+            return variable
+        info = creation.describe_variable(kwargs, context)
+        decided = self.policy.decide(info)
+        if decided.kind == placement_lib.PS:
+            devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
+            return self._create_table(next_creator, kwargs, info.path, info.shape,
+                                      devices, context.initializer)
         variable = super()._create_variable(next_creator, **kwargs)
-        if info is not None:
-            self._variable_paths[variable.ref()] = info.path
+        self._variable_infos[variable.ref()] = info
         return variable
 
-    def _create_table(self, next_creator, kwargs, path, shape, devices, initializer):
+    def _create_table(self, next_creator, kwargs, path, shape, devices, initializer,
+                      table_class=table_lib.ShardedTable):
         """A ShardedTable of one shard variable per device in `devices` (shard k: k::S)."""
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
         initial_values = table_lib.shard_initial_values(
@@ -267,7 +287,50 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                     tf.TensorShape(shape)[1:])
             with tf.device(device):
                 shards.append(next_creator(**shard_kwargs))
-        return table_lib.ShardedTable(shards, path, name=name)
+        return table_class(shards, path, name=name)
+
+    def move_to_ps(self, keras_variable):
+        """Moves a mirrored Keras 3 variable that is read by row onto the PS.
+
+        Called at its first row read (`tf.gather`, `ops.take`,
+        `tf.nn.embedding_lookup`), which in training is the first traced step,
+        before its gradient exists: its value and its optimizer slots' values
+        become PS tables sharded as the policy decides, and the Keras variable
+        (and slots) wrap those from then on. Returns the table, or None when the
+        variable stays mirrored (pinned by an override, `architecture=
+        "allreduce"`, not trainable, or not made by this strategy).
+        """
+        mirrored = keras_variable._value
+        info = self._variable_infos.get(mirrored.ref())
+        if info is None or not mirrored.trainable:
+            return None
+        decided = self.policy.move_to_ps(info, "read by row (moved at its first read)")
+        if decided is None:
+            return None
+        devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
+        slots = [s() for s in self._slots_of.pop(mirrored.ref(), ()) if s() is not None]
+        with tf.init_scope():
+            table = self._table_from(mirrored, info.path, devices, _MovedTable)
+            for slot in slots:
+                slot._value = self._table_from(
+                    slot._value, f"{info.path}/{slot.name}", devices, table_lib.ShardedTable)
+        keras_variable._value = table
+        # Nothing keeps the mirrored copies: a function traced before, reading
+        # them, fails loudly instead of reading stale values.
+        del self._variable_infos[mirrored.ref()]
+        return table
+
+    def _table_from(self, mirrored, path, devices, table_class):
+        """A PS table holding the current value of `mirrored` (one replica's copy)."""
+        value = mirrored.values[0].read_value()
+        kwargs = dict(initial_value=value, dtype=mirrored.dtype,
+                      trainable=mirrored.trainable, name=path.rsplit("/", 1)[-1])
+        table = self._create_table(
+            lambda **kw: resource_variable_ops.ResourceVariable(**kw), kwargs, path,
+            mirrored.shape, devices, None, table_class)
+        if table_class is _MovedTable:
+            table._replaced_id = mirrored._unique_id
+        return table
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):
@@ -356,13 +419,15 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         # Eager updates are assignments (set_weights, restores), not training steps.
         if not args or not tf.inside_function() or not getattr(var, "trainable", False):
             return
+        self._check_overrides_once()
         grad = distribute_utils.select_replica(0, args[0])
         if not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
             return
         if table_lib.is_table(var):
             path, kind = var.path, placement_lib.PS
         else:
-            path, kind = self._variable_paths.get(var.ref()), placement_lib.MIRRORED
+            info = self._variable_infos.get(var.ref())
+            path, kind = info and info.path, placement_lib.MIRRORED
         if path is None or path in self.gradient_types:
             return
         sparse = isinstance(grad, tf.IndexedSlices)
@@ -373,6 +438,43 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 f"HybridStrategy: variable '{path}' {advice} (override with "
                 f"placement_overrides={{'{path}': ...}}). Training stays correct.",
                 PlacementWarning, stacklevel=2)
+
+    def _check_overrides_once(self):
+        """Warns, at the first traced training step, about overrides that matched nothing."""
+        if self._overrides_checked:
+            return
+        self._overrides_checked = True
+        unmatched = self.policy.unmatched_overrides()
+        if unmatched:
+            known = ", ".join(record.path for record in self.policy.plan)
+            warnings.warn(
+                f"HybridStrategy: placement_overrides pattern(s) {unmatched} match no "
+                "variable. Patterns match a variable's path as in model.weights, its "
+                f"'layer/variable' tail, or a layer name on the path; known paths: "
+                f"{known or '(none)'}.", PlacementWarning, stacklevel=3)
+
+
+class _MovedTable(table_lib.ShardedTable):
+    """A PS table that took a mirrored variable's place (`HybridExtended.move_to_ps`).
+
+    Keras 3 optimizers know a variable by its TensorFlow variable's `_unique_id`;
+    the table keeps the mirrored variable's, so the optimizer still finds its slots.
+    """
+
+    _replaced_id = None
+
+    @property
+    def _unique_id(self):
+        return self._replaced_id
+
+
+def _move_to_ps_on_row_read(keras_variable):
+    """The table a Keras 3 variable read by row now wraps, if its strategy moved it."""
+    strategy = getattr(keras_variable._value, "_distribute_strategy", None)
+    extended = getattr(strategy, "extended", None)
+    if isinstance(extended, HybridExtended):
+        return extended.move_to_ps(keras_variable)
+    return None
 
 
 def _components(value):
@@ -447,64 +549,6 @@ def _optimizer_of(fn):
         if hasattr(candidate, "iterations") and hasattr(candidate, "apply_gradients"):
             return candidate
     return None
-
-
-class _CreationContext(tuple):
-    """(owner, name, shape, initializer, is_layer) of the variable being created."""
-
-    __slots__ = ()
-    owner = property(lambda self: self[0])
-    name = property(lambda self: self[1])
-    shape = property(lambda self: self[2])
-    initializer = property(lambda self: self[3])
-    is_layer = property(lambda self: self[4])
-
-
-_NO_CONTEXT = _CreationContext((None, None, None, None, False))
-
-
-def _creation_context(max_depth=40):
-    """Reads the innermost `add_weight` / `add_variable` call on the stack.
-
-    Keras 3 and tf_keras layers create weights through `Layer.add_weight(self, ...)`,
-    and Keras 3 optimizers their slots through `add_variable`: their frames tell
-    the layer, the declared shape and the initializer, without relying on names.
-    """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(max_depth):
-            frame = frame.f_back
-            if frame is None:
-                break
-            if frame.f_code.co_name not in ("add_weight", "add_variable"):
-                continue
-            local = frame.f_locals
-            owner = local.get("self")
-            # tf_keras metrics are layers too, but their weights are counters.
-            is_layer = (frame.f_code.co_name == "add_weight"
-                        and hasattr(owner, "add_weight")
-                        and "Metric" not in {c.__name__ for c in type(owner).__mro__})
-            return _CreationContext((owner, local.get("name"), local.get("shape") or (),
-                                     local.get("initializer"), is_layer))
-        return _NO_CONTEXT
-    finally:
-        del frame
-
-
-def _describe_variable(kwargs, context):
-    """Describes the variable being created from the layer building it."""
-    if not context.is_layer:
-        return placement_lib.VariableInfo(
-            path=str(kwargs.get("name") or "variable"), shape=(), itemsize=0,
-            trainable=bool(kwargs.get("trainable", True)))
-    dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
-    layer = context.owner
-    return placement_lib.VariableInfo(
-        path=f"{layer.name}/{context.name or kwargs.get('name')}",
-        shape=tuple(int(d) for d in tf.TensorShape(context.shape).as_list()),
-        itemsize=dtype.size,
-        layer_classes=tuple(c.__name__ for c in type(layer).__mro__),
-        trainable=bool(kwargs.get("trainable", True)))
 
 
 def _local_devices(devices):

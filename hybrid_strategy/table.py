@@ -50,6 +50,8 @@ from hybrid_strategy.placement import shard_rows
 _LOOKUPS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
 _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
+# Functions called with a Keras 3 variable read by row that wraps no table (`on_row_read`).
+_ROW_READ_HANDLERS = []
 
 
 @dispatch.register_dispatchable_type
@@ -462,8 +464,8 @@ def install_keras_hook():
         return
 
     def sparse_read(self):
-        value = getattr(self, "_value", None)
-        if not is_table(value):
+        value = _table_for_row_read(self)
+        if value is None:
             raise AttributeError("sparse_read")
         return value.sparse_read
 
@@ -473,4 +475,32 @@ def install_keras_hook():
     @tf.experimental.dispatch_for_api(tf.shape, {"input": variable_class})
     def _keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
         value = input._value if is_table(getattr(input, "_value", None)) else input.value
+        if value.shape.is_fully_defined():
+            # Static, without reading the variable: `ops.take` asks before the row
+            # read, which may move the variable to a PS (`on_row_read`).
+            return tf.constant(value.shape.as_list(), dtype=out_type or tf.int32, name=name)
         return tf.shape(value, out_type=out_type, name=name)
+
+    @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": variable_class})
+    def _keras_variable_embedding_lookup(params, ids, max_norm=None, name=None):
+        # TensorFlow would read a Keras variable whole before gathering.
+        value = _table_for_row_read(params)
+        return tf.nn.embedding_lookup(params.value if value is None else value, ids,
+                                      max_norm=max_norm, name=name)
+
+
+def _table_for_row_read(keras_variable):
+    """The PS table a Keras 3 variable read by row wraps (after `on_row_read`
+    handlers had their say), or None."""
+    value = getattr(keras_variable, "_value", None)
+    for handler in _ROW_READ_HANDLERS if not is_table(value) else ():
+        value = handler(keras_variable) or value
+    return value if is_table(value) else None
+
+
+def on_row_read(handler):
+    """Registers `handler(keras_variable)`, called when `tf.gather` reads by row a
+    Keras 3 variable that wraps no PS table; it returns a table to read instead (the
+    variable now wraps it) or None. Registering the same handler twice is a no-op."""
+    if handler not in _ROW_READ_HANDLERS:
+        _ROW_READ_HANDLERS.append(handler)
