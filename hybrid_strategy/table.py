@@ -34,6 +34,7 @@ print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the secon
 """
 
 import contextlib
+import functools
 import threading
 import weakref
 
@@ -67,11 +68,15 @@ _EXPORT_TRACING = threading.local()
 
 
 @dispatch.register_dispatchable_type
-class ShardedTable(tf.__internal__.tracking.Trackable):
+class ShardedTable(tf.Variable):
     """A variable whose rows are dealt over `shards`, one per PS device.
 
     Shard k of S holds rows k, k + S, k + 2S, ...: row r is row r // S of shard
     r % S, so the first shards hold one row more when S does not divide the rows.
+
+    It is a `tf.Variable` (as a MirroredVariable is) so that code which accepts
+    only variables takes it: tf_keras' h5 weights files, for one. Like a Python
+    object, and unlike a `tf.Variable`, it is hashable and equal only to itself.
 
     Args:
         shards: tf.Variables with the same trailing shape, the k-th holding rows
@@ -156,6 +161,13 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
 
     def ref(self):
         return _Ref(self)
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        return _to_tensor(self, dtype=dtype, name=name)
 
     def __repr__(self):
         return (f"<ShardedTable {self.path} shape={self._shape.as_list()} "
@@ -412,10 +424,15 @@ def _read_whole(table):
 def lookup(table, ids, name=None):
     """Returns `table`'s rows for `ids` (any shape), each gathered on its shard's PS.
 
-    Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table.
+    Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table, ids
+    that are not integers a `TypeError`.
     """
     with tf.name_scope(name or "hybrid_lookup"):
         ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise TypeError(
+                f"ids looked up in table {table.path} must be integers (int32 or int64), "
+                f"got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
         unique_ids = _checked(unique_ids, table)
         exporting = _tracing_for_export()
@@ -451,16 +468,33 @@ def _record_gradient(table, output, gradient):
 
 
 def _checked(unique_ids, table):
-    num_rows = table.shape[0]
-    message = (f"embedding id out of range for table {table.path} "
-               f"({num_rows} rows): ids must be in [0, {num_rows})")
-    checks = [
-        tf.debugging.assert_non_negative(unique_ids, message=message),
-        tf.debugging.assert_less(unique_ids, tf.cast(num_rows, unique_ids.dtype),
-                                 message=message),
-    ]
+    return checked_ids(unique_ids, table.shape[0], f"table {table.path}")
+
+
+def checked_ids(ids, num_rows, what):
+    """`ids` once checked to be whole numbers in [0, num_rows); else a clear error.
+
+    Integer ids are checked for their range; float ids (Keras' Embedding layers
+    cast them to int32, truncating) must also have no fractional part. `what`
+    names the table in the message, e.g. "table words/embeddings".
+    """
+    if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+        return ids.with_values(checked_ids(ids.values, num_rows, what))
+    ids = tf.convert_to_tensor(ids)
+    message = (f"embedding id out of range for {what} ({num_rows} rows): ids must be "
+               f"in [0, {num_rows})")
+    checks = [tf.debugging.assert_non_negative(ids, message=message),
+              tf.debugging.assert_less(ids, tf.cast(num_rows, ids.dtype), message=message)]
+    if ids.dtype.is_floating:
+        checks.append(tf.debugging.assert_equal(
+            ids, tf.floor(ids),
+            message=f"embedding ids for {what} must be whole numbers, got {ids.dtype.name} "
+                    "ids with a fractional part: pass integer ids (int32 or int64)"))
+    elif not ids.dtype.is_integer:
+        raise TypeError(f"embedding ids for {what} must be integers (int32 or int64), "
+                        f"got {ids.dtype.name}.")
     with tf.control_dependencies(checks):
-        return tf.identity(unique_ids)
+        return tf.identity(ids)
 
 
 def _gather_rows(table, unique_ids, exporting=False):
@@ -581,3 +615,27 @@ def install_keras_hook():
     def _keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
         value = input._value if is_table(getattr(input, "_value", None)) else input.value
         return tf.shape(value, out_type=out_type, name=name)
+
+
+def check_embedding_ids(embedding_class, applies):
+    """Makes `embedding_class` check its ids while `applies()` (under HybridStrategy).
+
+    Keras 3 turns a negative id -i into row `rows - i` before it reaches the table
+    (numpy's `take`), and either flavour casts float ids to int32. Checked here,
+    before that, a bad id gets the same error whether its table is on a PS or
+    mirrored: out of range, or not a whole number.
+    """
+    if getattr(embedding_class.call, "_checks_ids", False):
+        return
+    call = embedding_class.call
+
+    # Keras reads which arguments `call` takes from its signature: this one's is
+    # Embedding.call's own, (self, inputs), in Keras 3 and tf_keras.
+    @functools.wraps(call)
+    def call_checking_ids(self, inputs):
+        if applies():
+            inputs = checked_ids(inputs, self.input_dim, f"table {self.name}/embeddings")
+        return call(self, inputs)
+
+    call_checking_ids._checks_ids = True
+    embedding_class.call = call_checking_ids
