@@ -124,3 +124,26 @@ def join_shards(shard_sums, table):
     if not isinstance(shard_sums[0], tf.IndexedSlices):
         return table_lib.join_dense(shard_sums) if len(shard_sums) > 1 else shard_sums[0]
     return table_lib.join_slices(shard_sums, table.shape)
+
+
+def shard_summed(shard_sums, table):
+    """The table-wide sum, carrying its per-shard parts for `shard_sums_of`.
+
+    The table-wide sum is what an all-reduce promises; the update and clipping
+    use the per-shard sums where they are, so the joined one is built only if
+    something else reads it.
+    """
+    total = join_shards(shard_sums, table)
+    total._hybrid_shard_sums = tuple(shard_sums)
+    total._hybrid_table = table
+    return total
+
+
+def shard_sums_of(gradient):
+    """The per-shard sums of a `shard_summed` gradient, else None."""
+    return getattr(gradient, "_hybrid_shard_sums", None)
+
+
+def table_of_sum(gradient):
+    """The PS table of a `shard_summed` gradient."""
+    return gradient._hybrid_table

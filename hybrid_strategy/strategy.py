@@ -47,6 +47,8 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
+from hybrid_strategy import batches
+from hybrid_strategy import clipping
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import creation
@@ -70,8 +72,12 @@ class PlacementWarning(UserWarning):
     """A variable's placement does not fit the type of gradient it receives."""
 
 
-class HybridStrategy(tf.distribute.Strategy):
+class HybridStrategy(tf.distribute.MirroredStrategy):
     """Mirrors dense variables on every worker device and keeps embeddings on PS tasks.
+
+    A `tf.distribute.MirroredStrategy` in kind: dense variables are mirrored and
+    all-reduced as there, so Keras features that accept MirroredStrategy by type
+    (tf_keras' BackupAndRestore and mixed_float16 loss scaling) accept it too.
 
     With a cluster (a `cluster_resolver`, or TF_CONFIG in the environment), this
     process must be the cluster's `chief`: it connects to every `worker` and `ps`
@@ -137,7 +143,8 @@ class HybridStrategy(tf.distribute.Strategy):
             table_shards=table_shards, sparse_update=sparse_update, devices=devices,
             communication_options=communication_options,
             connect_timeout=connect_timeout, task_timeout=task_timeout)
-        super().__init__(extended)
+        # MirroredStrategy.__init__ would build its own extended object.
+        tf.distribute.Strategy.__init__(self, extended)
 
     @property
     def architecture(self):
@@ -166,6 +173,9 @@ class HybridStrategy(tf.distribute.Strategy):
 
 class HybridExtended(mirrored_strategy.MirroredExtended):
     """The strategy's implementation: placement, sparse aggregation, PS updates."""
+
+    # Keras 3 optimizers clip the cross-replica sum of gradients (see clipping.py).
+    clips_summed_gradients = True
 
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, sparse_update,
@@ -227,9 +237,17 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._overrides_checked = False
         self.gradient_types = {}
         self.ps_aggregated = set()
+        self.step_batch_sizes = None
         table_lib.install_keras_hook()
         table_lib.on_row_read(_move_to_ps_on_row_read)
         creation.install_layer_tags()
+        clipping.install_keras_hook()
+        batches.install_keras_hooks()
+        import keras  # pylint: disable=import-outside-toplevel
+        table_lib.check_embedding_ids(keras.layers.Embedding, _under_hybrid_strategy)
+        legacy = batches.legacy_keras()
+        if legacy is not None:
+            table_lib.check_embedding_ids(legacy.layers.Embedding, _under_hybrid_strategy)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():
@@ -239,7 +257,18 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "compile(steps_per_execution=N) with N > 1) fails on TensorFlow 2.21 "
                 "when the loop spans devices (its loop variables are not sent to the "
                 "other devices). Use steps_per_execution=1, the default.")
-        return super()._call_for_each_replica(fn, args, kwargs)
+        # Mean losses check, while the replicas' steps are traced, that the global
+        # batch was split evenly (batches.py).
+        self.step_batch_sizes = batches.replica_batch_sizes(
+            args, kwargs, self._num_replicas_in_sync)
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self.step_batch_sizes = None
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        batches.check_dataset(dataset, self._num_replicas_in_sync)
+        return super()._experimental_distribute_dataset(dataset, options)
 
     # Variable creation -------------------------------------------------------
 
@@ -361,11 +390,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 sums = communication.sum_dense(components, self._devices, table)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 sums = [_scaled(s, 1.0 / self._num_replicas_in_sync) for s in sums]
-            # The table-wide sum is what all_reduce promises; the update uses the
-            # per-shard sums where they are, so the joined one is built only if
-            # something else reads it.
-            total = communication.join_shards(sums, table)
-            total._hybrid_shard_sums = sums
+            total = communication.shard_summed(sums, table)
             results[i] = values_lib.Mirrored((total,) * self._num_replicas_in_sync)
             self.ps_aggregated.add(table.path)
         if collective:
@@ -477,6 +502,11 @@ def _move_to_ps_on_row_read(keras_variable):
     return None
 
 
+def _under_hybrid_strategy():
+    return tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
+                                                       HybridStrategy)
+
+
 def _components(value):
     if isinstance(value, values_lib.DistributedValues):
         return value.values
@@ -525,9 +555,9 @@ def _merge_duplicate_rows(value):
 
 def _shard_gradients(grad, table):
     """The step's gradient of `table`, one part per shard with shard-local rows."""
-    sums = getattr(grad, "_hybrid_shard_sums", None)
+    sums = communication.shard_sums_of(grad)
     if sums is not None:
-        return sums
+        return list(sums)
     if isinstance(grad, tf.IndexedSlices):
         return table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
     return table_lib.split_dense(grad, table.num_shards)

@@ -14,7 +14,12 @@ by frequency), are spread over every PS. It stands in for the variable that Kera
   lookup's unique ids; `table_of_gradient` recognises them, so the strategy sends
   the rows to their shards instead of all-reducing them;
 - reading it whole (a tied output projection, `get_weights()`) concatenates the
-  shards, with a dense gradient.
+  shards, with a dense gradient;
+- a SavedModel (`tf.saved_model.save`, Keras 3 `model.export`) holds it as one
+  ordinary variable with the whole table: functions traced for export read a
+  stand-in variable of the table's shape (`saving_variable`, which holds no memory
+  here), which the export maps to that ordinary variable, as TensorFlow's
+  `ShardedVariable` does.
 
 The gradient reaches the tape through the first shard's handle: tape and Keras
 know a variable by `handle`, and each read records the table-wide gradient for it.
@@ -28,6 +33,9 @@ print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the secon
 ```
 """
 
+import contextlib
+import functools
+import threading
 import weakref
 
 import numpy as np
@@ -43,6 +51,11 @@ from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.util import dispatch
+# TF-private: `save_context` tells that `tf.saved_model.save` is tracing the
+# functions it exports; `resource_variable_ops` makes the stand-in variable those
+# traces read and writes a variable's SavedModel record (as ShardedVariable does).
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import save_context
 
 from hybrid_strategy.placement import shard_rows
 
@@ -52,14 +65,20 @@ _LOOKUPS = weakref.WeakKeyDictionary()
 _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
 # Functions called with a Keras 3 variable read by row that wraps no table (`on_row_read`).
 _ROW_READ_HANDLERS = []
+# Depth of `tracing_for_export` blocks on this thread.
+_EXPORT_TRACING = threading.local()
 
 
 @dispatch.register_dispatchable_type
-class ShardedTable(tf.__internal__.tracking.Trackable):
+class ShardedTable(tf.Variable):
     """A variable whose rows are dealt over `shards`, one per PS device.
 
     Shard k of S holds rows k, k + S, k + 2S, ...: row r is row r // S of shard
     r % S, so the first shards hold one row more when S does not divide the rows.
+
+    It is a `tf.Variable` (as a MirroredVariable is) so that code which accepts
+    only variables takes it: tf_keras' h5 weights files, for one. Like a Python
+    object, and unlike a `tf.Variable`, it is hashable and equal only to itself.
 
     Args:
         shards: tf.Variables with the same trailing shape, the k-th holding rows
@@ -83,6 +102,7 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
                 f"{sum(rows)} rows; shard k needs {shard_rows(sum(rows), len(rows))}[k].")
         self.num_shards = len(rows)
         self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
+        self._saving_variable = None
 
     # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
 
@@ -144,6 +164,13 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
     def ref(self):
         return _Ref(self)
 
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        return _to_tensor(self, dtype=dtype, name=name)
+
     def __repr__(self):
         return (f"<ShardedTable {self.path} shape={self._shape.as_list()} "
                 f"shards={len(self.shards)}>")
@@ -202,6 +229,53 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
             with tf.device(shard.device):
                 ops.append(getattr(shard, method)(part))
         return tf.group(ops)
+
+    # SavedModel export: one ordinary variable holding the whole table -------
+
+    @property
+    def saving_variable(self):
+        """The whole-table stand-in that functions traced for export read.
+
+        An uninitialized variable on this process: a handle, no memory. Exported
+        functions capture it instead of the shards, and the export maps it to the
+        ordinary variable the SavedModel holds the table in.
+        """
+        if self._saving_variable is None:
+            with tf.init_scope():
+                self._saving_variable = resource_variable_ops.UninitializedVariable(
+                    shape=self._shape, dtype=self.dtype, name=self._shared_name,
+                    trainable=self.trainable,
+                    synchronization=tf.VariableSynchronization.NONE,
+                    aggregation=tf.VariableAggregation.NONE)
+        return self._saving_variable
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        saving = self.saving_variable
+        resources = saving._export_to_saved_model_graph(
+            object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
+        object_map[self] = object_map[saving]
+        if self.num_shards == 1:
+            # A function traced for training reads the only shard as the whole
+            # table: it is exported as such. The shards of a split table are not
+            # (their rows are not the table's), so the export refuses such a
+            # function instead of serving wrong rows.
+            tensor_map[self.handle] = tensor_map[saving.handle]
+            resources.append(self.handle)
+        return resources
+
+    def _write_object_proto(self, proto, options):
+        resource_variable_ops.write_object_proto_for_resource_variable(
+            self.saving_variable, proto, options, enforce_naming=False)
+
+    def _copy_trackable_to_cpu(self, object_map):
+        if self not in object_map:
+            with tf.device("/device:CPU:0"):
+                object_map[self] = resource_variable_ops.UninitializedVariable(
+                    shape=self._shape, dtype=self.dtype, name=self._shared_name,
+                    trainable=self.trainable)
+        copy = object_map[self]
+        with tf.device(copy.device):
+            copy.assign(_read_whole(self))
 
     # Checkpoints: the whole table under one key, whatever the sharding --------
 
@@ -313,8 +387,31 @@ def join_slices(parts, dense_shape):
         dense_shape)
 
 
+@contextlib.contextmanager
+def tracing_for_export():
+    """Functions traced inside read every table through its `saving_variable`.
+
+    `tf.saved_model.save` needs no such block (it traces in its own save context);
+    Keras 3's export traces its endpoints before it calls it.
+    """
+    _EXPORT_TRACING.depth = getattr(_EXPORT_TRACING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _EXPORT_TRACING.depth -= 1
+
+
+def _tracing_for_export():
+    if tf.executing_eagerly():
+        return False
+    return save_context.in_save_context() or getattr(_EXPORT_TRACING, "depth", 0) > 0
+
+
 def _read_whole(table):
     """The whole table as one tensor; its gradient flows to the table's handle."""
+    if _tracing_for_export():
+        return gen_resource_variable_ops.read_variable_op(
+            table.saving_variable.handle, table.dtype)
     with record.stop_recording():
         parts = []
         for shard in table.shards:
@@ -329,23 +426,31 @@ def _read_whole(table):
 def lookup(table, ids, name=None):
     """Returns `table`'s rows for `ids` (any shape), each gathered on its shard's PS.
 
-    Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table.
+    Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table, ids
+    that are not integers a `TypeError`.
     """
     with tf.name_scope(name or "hybrid_lookup"):
         ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise TypeError(
+                f"ids looked up in table {table.path} must be integers (int32 or int64), "
+                f"got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
         unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
         unique_ids = _checked(unique_ids, table)
-        _remember(unique_ids, table)
+        exporting = _tracing_for_export()
+        if not exporting:
+            _remember(unique_ids, table)
         with record.stop_recording():
-            out = tf.gather(_gather_rows(table, unique_ids), positions)
-        num_unique = tf.shape(unique_ids)[0]
-        dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
+            out = tf.gather(_gather_rows(table, unique_ids, exporting), positions)
+        if not exporting:  # a served function computes no gradient
+            num_unique = tf.shape(unique_ids)[0]
+            dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
 
-        def row_gradients(dy):
-            summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
-            return tf.IndexedSlices(summed, unique_ids, dense_shape)
+            def row_gradients(dy):
+                summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
+                return tf.IndexedSlices(summed, unique_ids, dense_shape)
 
-        _record_gradient(table, out, row_gradients)
+            _record_gradient(table, out, row_gradients)
         return tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0))
 
 
@@ -365,20 +470,40 @@ def _record_gradient(table, output, gradient):
 
 
 def _checked(unique_ids, table):
-    num_rows = table.shape[0]
-    message = (f"embedding id out of range for table {table.path} "
-               f"({num_rows} rows): ids must be in [0, {num_rows})")
-    checks = [
-        tf.debugging.assert_non_negative(unique_ids, message=message),
-        tf.debugging.assert_less(unique_ids, tf.cast(num_rows, unique_ids.dtype),
-                                 message=message),
-    ]
+    return checked_ids(unique_ids, table.shape[0], f"table {table.path}")
+
+
+def checked_ids(ids, num_rows, what):
+    """`ids` once checked to be whole numbers in [0, num_rows); else a clear error.
+
+    Integer ids are checked for their range; float ids (Keras' Embedding layers
+    cast them to int32, truncating) must also have no fractional part. `what`
+    names the table in the message, e.g. "table words/embeddings".
+    """
+    if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+        return ids.with_values(checked_ids(ids.values, num_rows, what))
+    ids = tf.convert_to_tensor(ids)
+    message = (f"embedding id out of range for {what} ({num_rows} rows): ids must be "
+               f"in [0, {num_rows})")
+    checks = [tf.debugging.assert_non_negative(ids, message=message),
+              tf.debugging.assert_less(ids, tf.cast(num_rows, ids.dtype), message=message)]
+    if ids.dtype.is_floating:
+        checks.append(tf.debugging.assert_equal(
+            ids, tf.floor(ids),
+            message=f"embedding ids for {what} must be whole numbers, got {ids.dtype.name} "
+                    "ids with a fractional part: pass integer ids (int32 or int64)"))
+    elif not ids.dtype.is_integer:
+        raise TypeError(f"embedding ids for {what} must be integers (int32 or int64), "
+                        f"got {ids.dtype.name}.")
     with tf.control_dependencies(checks):
-        return tf.identity(unique_ids)
+        return tf.identity(ids)
 
 
-def _gather_rows(table, unique_ids):
+def _gather_rows(table, unique_ids, exporting=False):
     """Rows for distinct ids: each shard gathers its own on its PS, in parallel."""
+    if exporting:
+        return gen_resource_variable_ops.resource_gather(
+            table.saving_variable.handle, unique_ids, dtype=table.dtype)
     if len(table.shards) == 1:
         with tf.device(table.device):
             return gen_resource_variable_ops.resource_gather(
@@ -456,8 +581,24 @@ def install_keras_hook():
       adds one that exists only for variables wrapping a PS table.
     - `tf.shape` of such a variable (Keras' `ops.take` asks for it) is answered from
       the static shape instead of converting, i.e. reading, the whole table.
+    - Keras' SavedModel export (`model.export`, `keras.export.ExportArchive`)
+      traces its endpoints for export, reading tables whole (`tracing_for_export`).
     """
     import keras
+    # Keras-private: the SavedModel export archive whose `write_out` traces the
+    # endpoints before it calls `tf.saved_model.save`.
+    from keras.src.export import saved_model_export_archive
+
+    archive_class = saved_model_export_archive.SavedModelExportArchive
+    if not hasattr(archive_class.write_out, "_reads_tables_whole"):
+        write_out = archive_class.write_out
+
+        def write_out_reading_tables_whole(self, *args, **kwargs):
+            with tracing_for_export():
+                return write_out(self, *args, **kwargs)
+
+        write_out_reading_tables_whole._reads_tables_whole = True
+        archive_class.write_out = write_out_reading_tables_whole
 
     variable_class = keras.Variable
     if "sparse_read" in variable_class.__dict__:
@@ -504,3 +645,26 @@ def on_row_read(handler):
     variable now wraps it) or None. Registering the same handler twice is a no-op."""
     if handler not in _ROW_READ_HANDLERS:
         _ROW_READ_HANDLERS.append(handler)
+
+def check_embedding_ids(embedding_class, applies):
+    """Makes `embedding_class` check its ids while `applies()` (under HybridStrategy).
+
+    Keras 3 turns a negative id -i into row `rows - i` before it reaches the table
+    (numpy's `take`), and either flavour casts float ids to int32. Checked here,
+    before that, a bad id gets the same error whether its table is on a PS or
+    mirrored: out of range, or not a whole number.
+    """
+    if getattr(embedding_class.call, "_checks_ids", False):
+        return
+    call = embedding_class.call
+
+    # Keras reads which arguments `call` takes from its signature: this one's is
+    # Embedding.call's own, (self, inputs), in Keras 3 and tf_keras.
+    @functools.wraps(call)
+    def call_checking_ids(self, inputs):
+        if applies():
+            inputs = checked_ids(inputs, self.input_dim, f"table {self.name}/embeddings")
+        return call(self, inputs)
+
+    call_checking_ids._checks_ids = True
+    embedding_class.call = call_checking_ids

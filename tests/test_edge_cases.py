@@ -1,0 +1,125 @@
+"""Clipping, bad ids, small batches and type-checking Keras features on a real cluster.
+
+For each Keras flavour, `tests/edge_scenario.py` runs every case once as the chief
+of a 2-worker + 1-ps cluster (a module fixture), and once more, for the mixed
+precision reference, under tf.distribute.MirroredStrategy over two local CPUs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCENARIO = os.path.join(HERE, "edge_scenario.py")
+TOLERANCE = 1e-5
+OUT_OF_RANGE = ("embedding id out of range for table {table} (500 rows): "
+                "ids must be in [0, 500)")
+
+
+def _run(arguments, flavour, what):
+    # The chief imports the package from this checkout, not an installed copy.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT,
+               TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable] + arguments, env=env, capture_output=True,
+                         text=True, timeout=1200, cwd=ROOT)
+    if run.returncode != 0:
+        pytest.fail(f"{what} ({flavour}) exited {run.returncode}:\n{run.stderr[-6000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
+def report(request, tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp(request.param))
+    result = _run(["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1", "--",
+                   sys.executable, SCENARIO, out_dir], request.param, "edge cases on a cluster")
+    reference = _run([SCENARIO, "--mirrored-reference", out_dir], request.param,
+                     "the MirroredStrategy reference")
+    assert result["replicas"] == 2
+    return result, reference
+
+
+@pytest.mark.parametrize("kind", ["clipnorm", "global_clipnorm", "clipvalue"])
+def test_clipping_equals_single_device_clipping_of_the_global_gradient(report, kind):
+    case = report[0]["clipping"][kind]
+    assert case["sparse_gradient"] == "sparse"
+    assert case["clipping_effect"] > 1e-2, "clipping did not change training"
+    assert case["relative_error"] <= TOLERANCE, (
+        f"{kind}: differs from single-device training by {case['relative_error']:.2e}")
+
+
+@pytest.mark.parametrize("placement", ["ps", "mirrored"])
+@pytest.mark.parametrize("bad", ["negative", "too_large"])
+@pytest.mark.parametrize("call", ["predict", "fit"])
+def test_ids_out_of_range_get_one_clear_error(report, placement, bad, call):
+    error = report[0]["bad_ids"][placement][f"{bad}_{call}"]
+    assert error is not None, f"{bad} id trained or predicted silently"
+    assert OUT_OF_RANGE.format(table="embedding/embeddings") in error
+
+
+@pytest.mark.parametrize("placement", ["ps", "mirrored"])
+def test_fractional_ids_are_refused_and_whole_float_ids_work(report, placement):
+    case = report[0]["bad_ids"][placement]
+    assert "embedding ids for table float_ids/embeddings must be whole numbers" in (
+        case["fractional"] or "")
+    assert case["whole_floats_error"] == 0.0
+
+
+def test_float_ids_looked_up_in_a_ps_table_are_refused(report):
+    error = report[0]["bad_ids"]["ps"]["lookup_float"]
+    assert error.startswith("TypeError: ids looked up in table embedding/embeddings "
+                            "must be integers")
+
+
+@pytest.mark.parametrize("case", ["final_one_example_mean", "final_uneven_mean"])
+def test_uneven_final_batch_with_a_mean_loss_is_refused(report, case):
+    error = report[0]["batches"][case]
+    assert error is not None, f"{case} trained silently"
+    assert "split its global batch unevenly over the 2 replicas" in error
+    assert "drop_remainder=True" in error
+
+
+def test_batches_smaller_than_the_replicas_are_refused(report):
+    error = report[0]["batches"]["batch_below_replicas"]
+    assert error.startswith("ValueError: HybridStrategy: the dataset's batches hold 1 "
+                            "example(s), fewer than the 2 replicas")
+
+
+def test_empty_dataset_is_refused(report):
+    assert report[0]["batches"]["empty"].startswith(
+        "ValueError: HybridStrategy: the dataset is empty")
+
+
+@pytest.mark.parametrize("case", ["final_33_sum_error", "final_35_sum_error",
+                                  "final_even_mean_error"])
+def test_final_batches_that_split_exactly_equal_single_device(report, case):
+    assert report[0]["batches"][case] <= TOLERANCE
+
+
+def test_backup_and_restore_resumes_where_training_stopped(report):
+    case = report[0]["backup_and_restore"]
+    assert case["interrupted"] == "RuntimeError: interrupted"
+    assert case["epochs_run_after_restore"] == [2]
+    assert case["relative_error"] <= TOLERANCE
+
+
+def test_h5_weights_and_models_round_trip(report):
+    case = report[0]["h5"]
+    assert case["weights_error"] == 0.0
+    assert case["model_predict_error"] == 0.0
+
+
+def test_mixed_float16_trains_as_under_mirrored_strategy(report):
+    result, reference = report
+    assert result["policy"]["compute_dtype"] == "float16"
+    assert result["policy"] == reference["policy"]
+    actual = [np.asarray(w) for w in result["mixed_precision_weights"]]
+    expected = [np.asarray(w) for w in reference["mixed_precision_weights"]]
+    for a, e in zip(actual, expected):
+        error = np.max(np.abs(a - e)) / max(np.max(np.abs(e)), 0.01)
+        assert error <= TOLERANCE, f"differs from MirroredStrategy by {error:.2e}"
