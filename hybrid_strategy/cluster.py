@@ -33,6 +33,9 @@ _PROBE_INTERVAL = 0.2  # seconds between two connection attempts to one task
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _FRAME_HEADER = 9
 _SETTINGS_FRAME = 4
+# Seconds a worker or ps server waits for a chief that stopped answering before it starts
+# afresh, dropping that chief's variables (python -m hybrid_strategy.server --chief-timeout).
+CHIEF_TIMEOUT = 5.0
 # A task as TensorFlow names it in errors: /job:ps/replica:0/task:0 or /job:ps/task:0.
 _DEVICE_PATTERN = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 
@@ -341,6 +344,26 @@ def describe_tasks(tasks) -> str:
     """One indented line per ((job, index, address), why): device, address and why."""
     return "\n".join(f"  {_device(job, index)} at {address} ({why})"
                      for (job, index, address), why in tasks)
+
+
+def wait_until_servers_forgot_previous_chief() -> None:
+    """Sleeps until this process has run for CHIEF_TIMEOUT (+1) seconds, on Linux.
+
+    A chief restarted at once would otherwise connect to servers that have not yet noticed
+    that the chief before it died, and that start afresh under it moments later (see
+    hybrid_strategy.server). A chief is older than that by the time it connects, as a rule:
+    importing TensorFlow alone takes seconds.
+    """
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22 is the start time in clock ticks since boot; the name (field 2) may
+            # hold spaces, so count from its closing parenthesis.
+            started = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as uptime:
+            age = float(uptime.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return
+    time.sleep(max(0.0, CHIEF_TIMEOUT + 1.0 - age))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

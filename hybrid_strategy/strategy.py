@@ -17,8 +17,6 @@ print(strategy.placement)
 ```
 """
 
-import contextlib
-import functools
 import inspect
 import itertools
 import os
@@ -60,8 +58,6 @@ _exiting = threading.Lock()
 _CONNECTION_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                       tf.errors.CancelledError, tf.errors.DeadlineExceededError)
 _PROBE_TIMEOUT = 2.0  # seconds each task gets to answer when an error may name a lost one
-# Seconds after which worker and ps servers forget a chief they no longer hear from.
-_SERVER_KEEP_ALIVE = 20
 
 
 class PlacementWarning(UserWarning):
@@ -192,8 +188,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                     "replicas are every worker's devices. Remove devices= or unset "
                     "TF_CONFIG.")
             _check_cluster(config, architecture)
-            worker_devices, ps_devices = _connect(
-                config, connect_timeout, _SERVER_KEEP_ALIVE)
+            worker_devices, ps_devices = _connect(config, connect_timeout)
             if task_timeout is not None:
                 cluster_lib.HealthMonitor(config, task_timeout, _exit_on_lost_task).start()
         self._ps_devices = ps_devices
@@ -587,16 +582,16 @@ def _check_cluster(config, architecture):
             "to TF_CONFIG's cluster, or use architecture='allreduce'.")
 
 
-def _connect(config, timeout, keep_alive):
+def _connect(config, timeout):
     """Connects this process to the cluster; returns (worker devices, ps devices)."""
     global _connected_cluster
     spec = config.as_cluster_spec_dict()
     if _connected_cluster is None:
+        cluster_lib.wait_until_servers_forgot_previous_chief()
         cluster_lib.wait_for_tasks(config, timeout)
-        with _server_keep_alive(keep_alive):
-            tf.config.experimental_connect_to_cluster(
-                tf.train.ClusterSpec(spec), job_name=_CHIEF_JOB, task_index=0,
-                protocol="grpc", make_master_device_default=False)
+        tf.config.experimental_connect_to_cluster(
+            tf.train.ClusterSpec(spec), job_name=_CHIEF_JOB, task_index=0,
+            protocol="grpc", make_master_device_default=False)
         _install_lost_task_hooks(config)
         _connected_cluster = spec
     elif _connected_cluster != spec:
@@ -614,25 +609,3 @@ def _connect(config, timeout, keep_alive):
     ps_devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0"
                   for i in range(config.num_ps)]
     return worker_devices, ps_devices
-
-
-@contextlib.contextmanager
-def _server_keep_alive(seconds):
-    """Makes the next connection ask every server to drop this process's state (variables,
-    functions, tensors) `seconds` after they last heard from it.
-
-    TensorFlow's default is 600 s: a chief that is killed and restarted would find the
-    old run's tables still filling the ps tasks' memory for ten minutes. While this process
-    lives, TensorFlow sends keep-alive calls every `seconds / 2`, so only a dead or stopped
-    chief is forgotten. `experimental_connect_to_cluster` has no argument for it.
-    """
-    # TF-private: the eager context whose set_server_def takes keep_alive_secs, which
-    # experimental_connect_to_cluster calls without it.
-    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
-
-    eager = context.context()
-    eager.set_server_def = functools.partial(eager.set_server_def, keep_alive_secs=seconds)
-    try:
-        yield
-    finally:
-        del eager.set_server_def
