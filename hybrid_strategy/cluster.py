@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -27,6 +28,16 @@ _TF_CONFIG_EXAMPLE = (
     '"task": {"type": "worker", "index": 0}}'
 )
 _PROBE_INTERVAL = 0.2  # seconds between two connection attempts to one task
+# HTTP/2 (RFC 9113): the client's connection preface, then an empty SETTINGS frame (9-byte
+# header: length 0, type 4, no flags, stream 0); a server's first frame is its SETTINGS.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_FRAME_HEADER = 9
+_SETTINGS_FRAME = 4
+# Seconds a worker or ps server waits for a chief that stopped answering before it starts
+# afresh, dropping that chief's variables (python -m hybrid_strategy.server --chief-timeout).
+CHIEF_TIMEOUT = 5.0
+# A task as TensorFlow names it in errors: /job:ps/replica:0/task:0 or /job:ps/task:0.
+_DEVICE_PATTERN = re.compile(r"/job:(\w+)(?:/replica:\d+)?/task:(\d+)")
 
 
 class ClusterConfigError(ValueError):
@@ -34,7 +45,7 @@ class ClusterConfigError(ValueError):
 
 
 class TaskUnreachableError(RuntimeError):
-    """Some tasks of the cluster did not accept a TCP connection in time."""
+    """Some tasks of the cluster did not answer as gRPC servers in time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +180,14 @@ def from_cluster_resolver(resolver) -> ClusterConfig:
 def wait_for_tasks(
     config: ClusterConfig, timeout: float, skip=(("chief", 0),), *, check=None
 ) -> None:
-    """Waits until every task except those in `skip` accepts a TCP connection.
+    """Waits until every task except those in `skip` answers as a gRPC server (see `probe`).
 
     Probes all tasks in parallel, retrying every 0.2 s, and raises TaskUnreachableError
-    naming every task still unreachable once `timeout` seconds have passed. `check`, if
-    given, is called every 0.2 s while waiting; whatever it raises ends the wait early
-    (the launcher uses it to notice a server that died).
+    naming every task still unreachable once `timeout` seconds have passed, with why (refused,
+    or accepted and then silent). `check`, if given, is called every 0.2 s while waiting;
+    whatever it raises ends the wait early (the launcher uses it to notice a server that died).
     """
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    _check_timeout(timeout)
     skipped = {(job, index) for job, index in skip}
     targets = [(job, i, addr) for job, i, addr in config.tasks() if (job, i) not in skipped]
     deadline = time.monotonic() + timeout
@@ -202,12 +212,14 @@ def wait_for_tasks(
 
 
 class HealthMonitor:
-    """Probes every task from a background thread; reports one that stays unreachable.
+    """Probes every task from background threads; reports tasks that stop answering.
 
-    A training step driven from the chief waits on every worker and ps task; when
-    one dies mid-step, TensorFlow keeps waiting. The monitor connects to each
-    task every `interval` seconds and, once a task has refused or ignored
-    connections for `timeout` seconds, calls `on_failure(message)` once.
+    A training step driven from the chief waits on every worker and ps task; when one
+    dies, hangs or becomes unreachable mid-step, TensorFlow may keep waiting forever.
+    The monitor probes each task (`probe`: an HTTP/2 exchange, which a stopped or hung
+    process cannot complete although its kernel still accepts connections) every
+    `interval` seconds and, once a task has not answered for `timeout` seconds, calls
+    `on_failure(message)` once, naming every task lost by then.
 
     ```python
     monitor = HealthMonitor(config, timeout=30.0, on_failure=print)
@@ -219,51 +231,139 @@ class HealthMonitor:
 
     def __init__(self, config: ClusterConfig, timeout: float, on_failure,
                  interval: float | None = None, skip=(("chief", 0),)):
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        _check_timeout(timeout)
         self._timeout = float(timeout)
-        self._interval = interval or min(5.0, self._timeout / 4)
+        # Probes cost well under a millisecond; the interval bounds how late a loss is seen.
+        self._interval = interval or min(2.0, self._timeout / 4)
         self._on_failure = on_failure
         skipped = {(job, index) for job, index in skip}
         self._targets = [t for t in config.tasks() if (t[0], t[1]) not in skipped]
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hybrid-strategy-health",
-                                        daemon=True)
+        self._reported = threading.Lock()
+        self._problems: dict = {}  # task -> why its latest probe failed
+        self._threads = [
+            threading.Thread(target=self._watch, args=(task,), daemon=True,
+                             name=f"hybrid-strategy-health-{task[0]}-{task[1]}")
+            for task in self._targets]
 
     def start(self):
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self):
         self._stop.set()
 
-    def _run(self):
-        last_answer = {t: time.monotonic() for t in self._targets}
-        errors: dict = {}
+    def _watch(self, task):
+        # One thread per task: a probe that waits out its timeout delays no other task.
+        last_answer = time.monotonic()
         while not self._stop.wait(self._interval):
-            now = time.monotonic()
-            for task in self._targets:
-                if _answers(task, min(self._interval, 2.0), errors):
-                    last_answer[task] = now
-            lost = [t for t in self._targets if now - last_answer[t] >= self._timeout]
-            if lost:
-                lines = "\n".join(
-                    f"  {_device(job, index)} at {address} ({errors.get((job, index, address), 'no answer')})"
-                    for job, index, address in lost)
-                self._on_failure(
-                    f"{len(lost)} task(s) stopped answering for {self._timeout:g} s:\n{lines}\n"
-                    "The training step cannot finish without them.")
+            problem = probe(task[2], max(self._interval, 1.0))
+            if problem is None:
+                last_answer = time.monotonic()
+                self._problems.pop(task, None)
+                continue
+            self._problems[task] = problem
+            if time.monotonic() - last_answer >= self._timeout and not self._stop.is_set():
+                self._report()
                 return
 
+    def _report(self):
+        if not self._reported.acquire(blocking=False):
+            return
+        self._stop.set()
+        lost = [(task, self._problems[task]) for task in self._targets if task in self._problems]
+        self._on_failure(
+            f"{len(lost)} task(s) stopped answering for {self._timeout:g} s:\n"
+            f"{describe_tasks(lost)}\nThe training step cannot finish without them.")
 
-def _answers(task, timeout: float, errors: dict) -> bool:
-    host, port = _split_address(task[2])
+
+def probe(address: str, timeout: float) -> str | None:
+    """Why the task at `address` does not answer as a gRPC server, or None when it does.
+
+    Sends the HTTP/2 client preface and waits up to `timeout` seconds for the server's first
+    frame, which gRPC servers (TensorFlow's too) send at once, in well under a millisecond on
+    loopback. A TCP connection alone proves nothing: the kernel completes it for a stopped or
+    hung process, and for any program that happens to listen on the port.
+    """
+    host, port = _split_address(address)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        return f"no connection within {timeout:g} s"
     except OSError as e:
-        errors[task] = e.strerror or str(e) or type(e).__name__
-        return False
+        return (e.strerror or str(e) or type(e).__name__).lower()
+    with sock:
+        try:
+            sock.sendall(_HTTP2_PREFACE)
+            frame = b""
+            while len(frame) < _FRAME_HEADER:
+                chunk = sock.recv(_FRAME_HEADER - len(frame))
+                if not chunk:
+                    return "it accepted the connection and closed it without an HTTP/2 answer"
+                frame += chunk
+        except socket.timeout:
+            return (f"it accepted the connection but sent no HTTP/2 answer within {timeout:g} "
+                    "s: the process is stopped or hung, or it is not a TensorFlow server")
+        except OSError as e:
+            return (e.strerror or str(e) or type(e).__name__).lower()
+    if frame[3] != _SETTINGS_FRAME:
+        return "it answered, but not as an HTTP/2 server: it is not a TensorFlow server"
+    return None
+
+
+def lost_tasks(config: ClusterConfig, timeout: float, tasks=None) -> list:
+    """[((job, index, address), why)] for the tasks (default: all but the chief) that do not
+    answer a `probe` within `timeout` seconds; probes them in parallel."""
+    if tasks is None:
+        tasks = [t for t in config.tasks() if t[0] != "chief"]
+    problems: dict = {}
+
+    def check(task):
+        problems[task] = probe(task[2], timeout)
+
+    threads = [threading.Thread(target=check, args=(t,), daemon=True) for t in tasks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 1.0)
+    # A probe thread still running after its timeout counts as no answer.
+    answers = {t: problems.get(t, "no answer") for t in tasks}
+    return [(t, why) for t, why in answers.items() if why is not None]
+
+
+def tasks_named_in(config: ClusterConfig, text: str) -> list:
+    """The (job, index, address) of every task of `config` that `text` names, by device
+    ("/job:ps/replica:0/task:0", "/job:ps/task:0") or by address, in cluster order."""
+    named = {(m.group(1), int(m.group(2))) for m in _DEVICE_PATTERN.finditer(text)}
+    return [(job, index, address) for job, index, address in config.tasks()
+            if (job, index) in named or re.search(rf"{re.escape(address)}(?!\d)", text)]
+
+
+def describe_tasks(tasks) -> str:
+    """One indented line per ((job, index, address), why): device, address and why."""
+    return "\n".join(f"  {_device(job, index)} at {address} ({why})"
+                     for (job, index, address), why in tasks)
+
+
+def wait_until_servers_forgot_previous_chief() -> None:
+    """Sleeps until this process has run for CHIEF_TIMEOUT (+1) seconds, on Linux.
+
+    A chief restarted at once would otherwise connect to servers that have not yet noticed
+    that the chief before it died, and that start afresh under it moments later (see
+    hybrid_strategy.server). A chief is older than that by the time it connects, as a rule:
+    importing TensorFlow alone takes seconds.
+    """
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22 is the start time in clock ticks since boot; the name (field 2) may
+            # hold spaces, so count from its closing parenthesis.
+            started = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as uptime:
+            age = float(uptime.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return
+    time.sleep(max(0.0, CHIEF_TIMEOUT + 1.0 - age))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -393,16 +493,14 @@ def _join_all(threads, deadline: float, check) -> None:
 
 
 def _probe_until(task, deadline: float, stop, reached: set, errors: dict) -> None:
-    """Connects to one task until it answers (added to `reached`) or the deadline passes."""
-    host, port = _split_address(task[2])
+    """Probes one task until it answers (added to `reached`) or the deadline passes."""
     while not stop.is_set():
         remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, remaining))):
-                reached.add(task)
-                return
-        except OSError as e:
-            errors[task] = e.strerror or str(e) or type(e).__name__
+        problem = probe(task[2], max(0.05, min(1.0, remaining)))
+        if problem is None:
+            reached.add(task)
+            return
+        errors[task] = problem
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return
@@ -410,16 +508,18 @@ def _probe_until(task, deadline: float, stop, reached: set, errors: dict) -> Non
 
 
 def _unreachable_message(unreachable, errors, timeout: float) -> str:
-    lines = "\n".join(
-        f"  {_device(job, index)} at {address} ({errors.get((job, index, address), 'no answer')})"
-        for job, index, address in unreachable
-    )
+    lines = describe_tasks((task, errors.get(task, "no answer")) for task in unreachable)
     return (
-        f"{len(unreachable)} task(s) did not accept a connection within {timeout:g} s:\n{lines}\n"
+        f"{len(unreachable)} task(s) did not answer within {timeout:g} s:\n{lines}\n"
         "Check that each of them runs its server (python -m hybrid_strategy.server with the "
         "TF_CONFIG of that task) and that the addresses in TF_CONFIG are right and reachable "
         "from this machine."
     )
+
+
+def _check_timeout(timeout) -> None:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
 
 
 def _device(job: str, index: int) -> str:

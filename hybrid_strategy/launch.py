@@ -28,6 +28,11 @@ from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import server as server_lib
 
 SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"
+# How many times the launcher restarted the cluster and the chief before this run (0 first).
+RESTART_COUNT_ENV = "HYBRID_STRATEGY_RESTART_COUNT"
+# The chief's "restart me" exit code, hybrid_strategy.EXIT_TASK_LOST (not imported from
+# there: that module imports TensorFlow, which the launcher does without).
+EXIT_TASK_LOST = 75
 _PREFIX = "hybrid_strategy.launch:"
 _SERVER_GRACE = 5.0  # seconds a server gets to exit after SIGTERM before SIGKILL
 _CHIEF_GRACE = 10.0  # seconds the chief gets after a forwarded signal before SIGKILL
@@ -210,6 +215,14 @@ class LocalCluster:
         environ["PYTHONPATH"] = os.pathsep.join(paths)
         return environ
 
+    def exited_servers(self) -> list[str]:
+        """One description per server that has exited, e.g. "server /job:ps/task:0 (pid 7)
+        was killed by SIGKILL"."""
+        return [f"server {self.config.device(job, index)} (pid {process.pid}) "
+                f"{_describe_exit(process.poll())}"
+                for (job, index), process in zip(self._tasks, self.processes)
+                if process.poll() is not None]
+
     def _raise_if_server_exited(self) -> None:
         for (job, index), process in zip(self._tasks, self.processes):
             code = process.poll()
@@ -249,6 +262,8 @@ def _check_count(name: str, value, minimum: int) -> None:
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code == EXIT_TASK_LOST:
+        return f"exited with code {code} (a task was lost)"
     if code == server_lib.EXIT_CANNOT_SERVE:
         return (f"could not start its gRPC server (exit code {code}: its port was taken, "
                 f"{_START_ATTEMPTS} times with fresh ports, or the host is not this machine)")
@@ -285,32 +300,80 @@ def main(argv=None) -> int:
 
 
 def _launch(options, command: list[str]) -> int:
+    """Runs the cluster and the chief, again after a retryable failure while restarts last."""
+    restart = 0
+    try:
+        while True:
+            code, reason = _launch_once(options, command, restart)
+            if reason is None:
+                return code
+            if restart == options.max_restarts:
+                if options.max_restarts:
+                    print(f"{_PREFIX} {reason}; no restart left (--max-restarts "
+                          f"{options.max_restarts}).", file=sys.stderr, flush=True)
+                return code
+            restart += 1
+            print(f"{_PREFIX} {reason}; restarting the cluster and the chief (restart "
+                  f"{restart} of {options.max_restarts}).", file=sys.stderr, flush=True)
+    except _Signalled as signalled:  # between two runs
+        return 128 + signalled.signum
+
+
+def _launch_once(options, command: list[str], restart: int):
+    """(exit status, why to restart or None) of one run of the cluster and the chief."""
     try:
         with LocalCluster(options.workers, options.ps, startup_timeout=options.startup_timeout,
                           quiet=not options.verbose) as local:
             _report_ready(local, command)
             try:
-                return _run_chief(command, local.chief_environ())
+                environ = local.chief_environ()
+                environ[RESTART_COUNT_ENV] = str(restart)
+                code = _run_chief(command, environ)
+                if code is None:
+                    return 127, None
+                return _exit_status(code), _restart_reason(code, local.exited_servers())
             finally:
                 # Teardown is bounded (SIGTERM, then SIGKILL); another Ctrl-C must not cut it.
                 for signum in _STOP_SIGNALS:
                     signal.signal(signum, signal.SIG_IGN)
     except _Signalled as signalled:
-        return 128 + signalled.signum
+        return 128 + signalled.signum, None
     except (ServerStartError, cluster_lib.TaskUnreachableError) as e:
         print(f"{_PREFIX} the cluster did not start: {e}", file=sys.stderr)
-        return 1
+        return 1, None
+    finally:
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, _raise_signalled)
 
 
-def _run_chief(command: list[str], environ: dict[str, str]) -> int:
+def _restart_reason(code: int, exited_servers: list[str]) -> str | None:
+    """Why a chief that ended with return code `code` is worth running again, or None.
+
+    Retryable: exit code 75 (a task was lost, see hybrid_strategy.EXIT_TASK_LOST), a server
+    that died during the run, or a chief killed by a signal other than a stop request (the
+    OOM killer's SIGKILL, a crash). A chief that fails by itself (exit code 1) would fail
+    again.
+    """
+    if code == 0:
+        return None
+    chief = f"the chief {_describe_exit(code)}"
+    if exited_servers:
+        return f"{', '.join(exited_servers)}; {chief}"
+    if code == EXIT_TASK_LOST or (code < 0 and -code not in _STOP_SIGNALS):
+        return chief
+    return None
+
+
+def _run_chief(command: list[str], environ: dict[str, str]) -> int | None:
+    """The chief's return code (negative: killed by that signal), None if it cannot start."""
     try:
         # Same process group as the launcher, so a Ctrl-C in the terminal reaches it directly.
         chief = subprocess.Popen(command, env=environ, preexec_fn=_die_with_parent(signal.SIGTERM))
     except OSError as e:
         print(f"{_PREFIX} cannot run {shlex.join(command)}: {e}", file=sys.stderr)
-        return 127
+        return None
     try:
-        return _exit_status(chief.wait())
+        return chief.wait()
     except _Signalled as signalled:
         _stop_chief(chief, signalled.signum)
         raise
@@ -362,13 +425,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m hybrid_strategy.launch",
         description="Start worker and ps servers on this machine, run COMMAND as the chief "
                     "with TF_CONFIG set, then stop the servers. Exits with COMMAND's exit code.",
-        usage="%(prog)s [--workers N] [--ps N] [--startup-timeout S] [--verbose] -- COMMAND ...",
+        usage="%(prog)s [--workers N] [--ps N] [--startup-timeout S] [--max-restarts N] "
+              "[--verbose] -- COMMAND ...",
         epilog="example: %(prog)s --workers 2 --ps 1 -- python train.py --epochs 3",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
     parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
                         help="seconds to wait for every server to accept connections (default 60)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="after a retryable failure (the chief exits with code 75, a "
+                             "task dies or is killed), start the cluster and the chief again, "
+                             "up to N times (default 0)")
     parser.add_argument("--verbose", action="store_true",
                         help="let the servers' output through and list their pids")
     return parser
@@ -384,6 +452,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]):
         parser.error(f"--workers must be at least 1, got {options.workers}")
     if options.ps < 0:
         parser.error(f"--ps must be 0 or more, got {options.ps}")
+    if options.max_restarts < 0:
+        parser.error(f"--max-restarts must be 0 or more, got {options.max_restarts}")
     if options.startup_timeout <= 0:
         parser.error(f"--startup-timeout must be a positive number of seconds, "
                      f"got {options.startup_timeout:g}")

@@ -7,17 +7,25 @@
 TF_CONFIG says which task this process is. The server runs until SIGTERM or SIGINT, then exits
 with code 0. Exit code 2 means TF_CONFIG is missing or invalid, or names a task that is not a
 worker or ps; exit code 75 means the gRPC server could not start (e.g. its port is taken).
+
+Once the chief has connected, the server probes it; when the chief stops answering for
+`--chief-timeout` seconds (default 5), the server starts afresh in the same process (same
+pid, same port): TensorFlow would keep a dead chief's variables for ten minutes, so a
+restarted chief would find the ps tasks holding every table twice.
 """
 import argparse
 import os
+import select
 import signal
 import sys
+import time
 
 from hybrid_strategy import cluster as cluster_lib
 
 _PREFIX = "hybrid_strategy.server:"
 _SERVED_JOBS = ("worker", "ps")
 EXIT_CANNOT_SERVE = 75  # EX_TEMPFAIL: the launcher retries with other ports
+_CHIEF_PROBE_INTERVAL = 0.5  # seconds between two probes of the chief
 
 
 class _Stop(BaseException):
@@ -27,10 +35,17 @@ class _Stop(BaseException):
 
 def main(argv=None) -> int:
     """Serves the task TF_CONFIG names until SIGTERM/SIGINT; returns the exit code."""
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m hybrid_strategy.server",
         description=__doc__.split("\n", 1)[0] + " The task comes from TF_CONFIG.",
-    ).parse_args(argv)
+    )
+    parser.add_argument(
+        "--chief-timeout", type=float, default=cluster_lib.CHIEF_TIMEOUT, metavar="S",
+        help="start afresh, dropping every variable, once the chief that connected has not "
+             f"answered for S seconds (default {cluster_lib.CHIEF_TIMEOUT:g}; 0: never)")
+    options = parser.parse_args(argv)
+    if options.chief_timeout < 0:
+        parser.error(f"--chief-timeout must be 0 or more, got {options.chief_timeout:g}")
     config, problem = _task_config()
     if problem:
         print(f"{_PREFIX} {problem}", file=sys.stderr)
@@ -38,7 +53,7 @@ def main(argv=None) -> int:
     # Installed before the slow TensorFlow import so that an early SIGTERM also exits cleanly.
     stopped = _stop_on_signals()
     try:
-        return _serve(config, stopped)
+        return _serve(config, stopped, options.chief_timeout)
     except _Stop:
         return 0
 
@@ -78,7 +93,7 @@ def _stop_on_signals() -> int:
     return stopped
 
 
-def _serve(config: cluster_lib.ClusterConfig, stopped: int) -> int:
+def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -98,9 +113,33 @@ def _serve(config: cluster_lib.ClusterConfig, stopped: int) -> int:
     # The server serves from its own threads while `server` keeps it referenced (deleting
     # it would ask TF to stop it). Server.join() would block in C++ where no Python signal
     # handler runs, so wait for the stop signal instead.
-    os.read(stopped, 1)
+    chief = config.cluster.get("chief", (None,))[0] if chief_timeout else None
+    lost = _wait_for_stop_or_chief_loss(stopped, chief, chief_timeout)
+    if lost:
+        print(f"{_PREFIX} {config.device(job, index)}: the chief at {chief} has not answered "
+              f"for {chief_timeout:g} s ({lost}); starting afresh to drop its variables.",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # TensorFlow offers no way to drop a client's state; a new process image does, and
+        # keeps the pid the launcher or the container runtime watches. gRPC's sockets are
+        # close-on-exec, so the port is free again for the new server.
+        os.execv(sys.executable, sys.orig_argv)
     del server
     return 0
+
+
+def _wait_for_stop_or_chief_loss(stopped: int, chief: str | None, timeout: float) -> str | None:
+    """Waits for the stop signal (returns None) or, once `chief` has answered a probe, for
+    it to stop answering for `timeout` seconds (returns why its last probe failed)."""
+    last_answer = None  # armed when the chief first answers: it starts after the servers
+    while not select.select([stopped], [], [], _CHIEF_PROBE_INTERVAL if chief else None)[0]:
+        problem = cluster_lib.probe(chief, _CHIEF_PROBE_INTERVAL)
+        now = time.monotonic()
+        if problem is None:
+            last_answer = now
+        elif last_answer is not None and now - last_answer >= timeout:
+            return problem
+    return None
 
 
 def _raise_stop(signum, frame):

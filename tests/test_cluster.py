@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent import futures
 
 import pytest
 
@@ -172,28 +173,52 @@ def test_module_does_not_import_tensorflow():
 
 
 @pytest.fixture
-def listening():
+def answering():
+    """A real gRPC server (grpcio, which TensorFlow installs) with no services: it answers
+    the HTTP/2 handshake as TensorFlow's servers do."""
+    grpc = pytest.importorskip("grpc")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+@pytest.fixture
+def silent():
+    """A listener that accepts connections and never answers, as a stopped process's
+    kernel does."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         yield f"127.0.0.1:{server.getsockname()[1]}"
 
 
-def test_wait_for_tasks_reaches_a_listening_task(listening):
-    config = cluster.ClusterConfig({"chief": ["127.0.0.1:1"], "worker": [listening]})
+def test_probe_tells_answering_refusing_and_silent_tasks_apart(answering, silent):
+    assert cluster.probe(answering, timeout=5) is None
+    assert cluster.probe(f"127.0.0.1:{cluster.free_port()}", timeout=5) == "connection refused"
+    started = time.monotonic()
+    problem = cluster.probe(silent, timeout=0.5)
+    assert time.monotonic() - started < 3
+    assert "accepted the connection but sent no HTTP/2 answer within 0.5 s" in problem
+
+
+def test_wait_for_tasks_reaches_an_answering_task(answering):
+    config = cluster.ClusterConfig({"chief": ["127.0.0.1:1"], "worker": [answering]})
     started = time.monotonic()
     cluster.wait_for_tasks(config, timeout=30)  # chief/0 (nothing listens) is skipped
     assert time.monotonic() - started < 5
 
 
-def test_wait_for_tasks_names_unreachable_tasks_within_timeout(listening):
+def test_wait_for_tasks_names_unreachable_tasks_within_timeout(answering, silent):
     closed = f"127.0.0.1:{cluster.free_port()}"
-    config = cluster.ClusterConfig({"worker": [listening], "ps": [closed]})
+    config = cluster.ClusterConfig({"worker": [answering, silent], "ps": [closed]})
     started = time.monotonic()
     with pytest.raises(cluster.TaskUnreachableError) as info:
         cluster.wait_for_tasks(config, timeout=1.0)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 3.0
     message = str(info.value)
-    assert f"/job:ps/task:0 at {closed}" in message
-    assert listening not in message
+    assert f"/job:ps/task:0 at {closed} (connection refused)" in message
+    assert f"/job:worker/task:1 at {silent} (it accepted the connection but sent no HTTP/2" in message
+    assert answering not in message
     assert "within 1 s" in message and "hybrid_strategy.server" in message
 
 
@@ -220,24 +245,61 @@ def test_free_port_is_bindable():
         pass
 
 
-def test_health_monitor_reports_a_task_that_stops_answering():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    address = f"127.0.0.1:{server.getsockname()[1]}"
-    config = cluster.ClusterConfig({"worker": (address,)})
+def watch(config, timeout):
     reports = []
-    monitor = cluster.HealthMonitor(config, timeout=1.0, on_failure=reports.append,
+    monitor = cluster.HealthMonitor(config, timeout=timeout, on_failure=reports.append,
                                     interval=0.1).start()
+    return monitor, reports
+
+
+def wait_for_report(reports, seconds):
+    deadline = time.monotonic() + seconds
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_health_monitor_reports_a_task_that_stops_answering():
+    grpc = pytest.importorskip("grpc")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    monitor, reports = watch(cluster.ClusterConfig({"worker": (address,)}), timeout=1.0)
     try:
         time.sleep(1.5)
         assert reports == []  # answering all along
-        server.close()
-        deadline = time.monotonic() + 5
-        while not reports and time.monotonic() < deadline:
-            time.sleep(0.05)
+        server.stop(None)
+        wait_for_report(reports, 5)
     finally:
         monitor.stop()
     (message,) = reports
-    assert f"/job:worker/task:0 at {address}" in message
+    assert f"/job:worker/task:0 at {address} (connection refused)" in message
     assert "stopped answering for 1 s" in message
+
+
+def test_health_monitor_reports_a_silent_task_once(answering, silent):
+    config = cluster.ClusterConfig({"worker": (answering, silent)})
+    started = time.monotonic()
+    monitor, reports = watch(config, timeout=1.0)
+    try:
+        wait_for_report(reports, 10)
+        reported = time.monotonic() - started
+        time.sleep(1.0)
+    finally:
+        monitor.stop()
+    (message,) = reports
+    assert reported >= 1.0
+    assert message.startswith("1 task(s) stopped answering for 1 s:")
+    assert f"/job:worker/task:1 at {silent} (it accepted the connection but" in message
+
+
+def test_lost_tasks_and_tasks_named_in_an_error(answering, silent):
+    closed = f"127.0.0.1:{cluster.free_port()}"
+    config = cluster.ClusterConfig(
+        {"chief": ["127.0.0.1:1"], "worker": [answering, silent], "ps": [closed]})
+    lost = cluster.lost_tasks(config, timeout=0.5)
+    assert [(task[0], task[1]) for task, _ in lost] == [("worker", 1), ("ps", 0)]
+    text = ("Additional GRPC error information from remote target /job:ps/replica:0/task:0 "
+            f"while calling RecvTensor; /job:worker/task:1 ... ipv4:{answering}: reset")
+    assert cluster.tasks_named_in(config, text) == [
+        ("worker", 0, answering), ("worker", 1, silent), ("ps", 0, closed)]
+    assert cluster.tasks_named_in(config, f"{answering}0 /job:ps/task:10") == []
