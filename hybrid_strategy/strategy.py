@@ -39,6 +39,7 @@ from tensorflow.python.distribute import values as values_lib
 # TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution).
 from tensorflow.python.ops import control_flow_util_v2
 
+from hybrid_strategy import checkpointing
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import placement as placement_lib
@@ -209,6 +210,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.gradient_types = {}
         self.ps_aggregated = set()
         table_lib.install_keras_hook()
+        checkpointing.install_hooks()
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():

@@ -44,6 +44,7 @@ from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.util import dispatch
 
+from hybrid_strategy import checkpointing
 from hybrid_strategy.placement import shard_rows
 
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
@@ -201,13 +202,14 @@ class ShardedTable(tf.__internal__.tracking.Trackable):
                 ops.append(getattr(shard, method)(part))
         return tf.group(ops)
 
-    # Checkpoints: the whole table under one key, whatever the sharding --------
+    # Checkpoints: the table in row order under one key, each block written and
+    # read on its own ps (see checkpointing.py) --------------------------------
 
     def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": _read_whole(self)}
+        return checkpointing.serialize(self)
 
     def _restore_from_tensors(self, restored_tensors):
-        return self.assign(restored_tensors["VARIABLE_VALUE"])
+        return checkpointing.restore(self, restored_tensors)
 
 
 class _Ref:
