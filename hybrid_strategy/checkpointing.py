@@ -45,7 +45,7 @@ from hybrid_strategy.placement import shard_rows
 
 VARIABLE_VALUE = "VARIABLE_VALUE"
 # Bytes of a table the chief holds at once while streaming it to or from an h5 file.
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 4 << 20
 _PROBE_PREFIX = ".hybrid_strategy_probe"
 _hooks_installed = False
 
