@@ -1,6 +1,6 @@
 """Peak memory of the chief and each ps while saving and restoring a large PS table.
 
-    python -m benchmarks.checkpoint_memory [--sizes-mib 256 1024] [--before COMMIT]
+    python -m benchmarks.checkpoint_memory [--sizes-mib 256 1024] [--apis ...] [--before COMMIT]
 
 For every table size and code version ("before": the `hybrid_strategy` package of
 COMMIT, default the commit this branch forked from main, exported with `git archive`
@@ -12,15 +12,18 @@ into a temporary directory; "after": this checkout), starts a cluster of 1 worke
 
 with rows = size / 256 bytes (the table is dealt over both ps), compiles it with
 Keras 3 Adagrad and builds the optimizer (one table-sized slot: table + slot = twice
-the size). Then, in turn, for `tf.train.Checkpoint(model=, optimizer=)` (`write`,
-then `read`) and Keras `save_weights` / `load_weights` (`.weights.h5`), it saves
-and restores while measuring every process: just before an operation it resets
+the size). After one round through every operation with a small table (so that
+what loads once per process is not counted), it saves and restores, in turn, with
+`tf.train.Checkpoint(model=, optimizer=)` (`write`, then `read`), Keras
+`save_weights` / `load_weights` (`.weights.h5`) and `model.save` /
+`keras.models.load_model` (`.keras`, which builds a second model: the ps then hold
+the table twice; `--apis` chooses), measuring every process: just before an operation it resets
 the peak RSS of the chief, the worker and both ps (writing 5 to /proc/PID/clear_refs
 resets VmHWM to the current RSS) and reads their RSS; just after, VmHWM - RSS before
 is the operation's peak growth. An operation that fails is recorded with its error.
 
-Results: benchmarks/results/checkpoint_memory.json and checkpoint_memory.md (the
-machine, the code version, the commands). On one machine every task shares its
+Results: benchmarks/results/checkpoint_memory-<sizes>MiB.json and .md (the machine,
+the code version, the commands). On one machine every task shares its
 memory: run the 1 GiB case when the machine is otherwise quiet.
 """
 
@@ -42,7 +45,8 @@ DIM = 64
 ROW_BYTES = DIM * 4
 SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"  # workers, then ps, in task order
 TASKS = ("chief", "worker 0", "ps 0", "ps 1")
-APIS = ("tf.train.Checkpoint", "save_weights (.weights.h5)")
+APIS = {"checkpoint": "tf.train.Checkpoint", "weights_h5": "save_weights (.weights.h5)",
+        "keras": "model.save (.keras)"}
 _RESULT_PREFIX = "checkpoint_memory result: "
 
 
@@ -110,12 +114,19 @@ def run_chief(options):
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         prefix = os.path.join(directory, "ckpt")
         weights = os.path.join(directory, "model.weights.h5")
-        return {
-            "tf.train.Checkpoint": (lambda: checkpoint.write(prefix),
-                                    lambda: checkpoint.read(prefix)),
-            "save_weights (.weights.h5)": (lambda: model.save_weights(weights),
-                                           lambda: model.load_weights(weights)),
+        whole = os.path.join(directory, "model.keras")
+
+        def load_model():
+            with strategy.scope():
+                keras.models.load_model(whole)
+
+        ops = {
+            "checkpoint": (lambda: checkpoint.write(prefix), lambda: checkpoint.read(prefix)),
+            "weights_h5": (lambda: model.save_weights(weights),
+                           lambda: model.load_weights(weights)),
+            "keras": (lambda: model.save(whole), load_model),
         }
+        return {api: ops[api] for api in options.apis}
 
     # A small table first, through every operation: what loads once per process
     # (h5py, Keras' saving code, TensorFlow's checkpoint functions) is not counted.
@@ -128,7 +139,7 @@ def run_chief(options):
     result = {"rows": rows, "table_mib": options.size_mib, "table_shards": shards,
               "rss_after_build_mib": {t: round(_status(p)["VmRSS"], 1) for t, p in pids.items()}}
     for api, (save, restore) in operations(model, os.path.join(options.directory, "table")).items():
-        result[api] = {"save": measured(save, pids), "restore": measured(restore, pids)}
+        result[APIS[api]] = {"save": measured(save, pids), "restore": measured(restore, pids)}
     print(_RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -145,29 +156,30 @@ def export_package(commit, directory):
     return directory
 
 
-def chief_command(size_mib, directory):
+def chief_command(size_mib, directory, apis):
     return [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps", "2",
-            "--", sys.executable, "-m", "benchmarks.checkpoint_memory", "--chief",
-            "--size-mib", str(size_mib), "--directory", directory]
+            "--startup-timeout", "180", "--", sys.executable, "-m", "benchmarks.checkpoint_memory", "--chief",
+            "--size-mib", str(size_mib), "--directory", directory, "--apis", *apis]
 
 
-def measure(size_mib, version, code_dir, timeout, attempts=2):
+def measure(size_mib, version, code_dir, apis, timeout, attempts=2):
     """One run; a cluster that fails to start (a loaded machine) gets another attempt."""
     for _ in range(attempts):
-        result = _measure_once(size_mib, version, code_dir, timeout)
-        if "error" not in result or "TaskUnreachableError" not in result["error"]:
+        result = _measure_once(size_mib, version, code_dir, apis, timeout)
+        if "error" not in result or not any(
+                sign in result["error"] for sign in ("did not start", "TaskUnreachableError")):
             return result
     return result
 
 
-def _measure_once(size_mib, version, code_dir, timeout):
+def _measure_once(size_mib, version, code_dir, apis, timeout):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     # The package under test first, then this checkout for `benchmarks`.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="checkpoint_memory_") as directory:
-        command = chief_command(size_mib, directory)
-        shown = shlex.join(chief_command(size_mib, "DIR"))
+        command = chief_command(size_mib, directory, apis)
+        shown = shlex.join(chief_command(size_mib, "DIR", apis))
         print(f"[{size_mib} MiB, {version}] {shown}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         # `python -m` puts the working directory first on sys.path: the package under test.
@@ -185,7 +197,8 @@ def _measure_once(size_mib, version, code_dir, timeout):
     print(f"[{size_mib} MiB, {version}] " + "; ".join(
         f"{api} {op}: chief +{result[api][op]['peak_growth_mib']['chief']:.0f} MiB"
         + (f" ({result[api][op]['error']})" if result[api][op]["error"] else "")
-        for api in APIS for op in ("save", "restore")), file=sys.stderr, flush=True)
+        for api in APIS.values() if api in result
+        for op in ("save", "restore")), file=sys.stderr, flush=True)
     return result
 
 
@@ -210,7 +223,7 @@ def markdown(runs, host, code, before, invocation):
             lines.append(f"| {run['table_mib']} MiB | {run['version']} | | | | | | | | "
                          f"run failed: {run['error'].splitlines()[-1][:120]} |")
             continue
-        for api in APIS:
+        for api in (a for a in APIS.values() if a in run):
             for op in ("save", "restore"):
                 m = run[api][op]
                 growth = m["peak_growth_mib"]
@@ -229,9 +242,13 @@ def parse(argv):
                         choices=["before", "after"])
     parser.add_argument("--before", default=None,
                         help="commit whose package is 'before' (default: merge-base with main)")
+    parser.add_argument("--apis", nargs="+", default=list(APIS), choices=list(APIS),
+                        help="checkpoint: tf.train.Checkpoint write/read; weights_h5: "
+                             "save_weights/load_weights; keras: model.save/load_model (a "
+                             "second model: the ps hold the table twice)")
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--json", default=os.path.join(RESULTS, "checkpoint_memory.json"))
-    parser.add_argument("--markdown", default=os.path.join(RESULTS, "checkpoint_memory.md"))
+    parser.add_argument("--json", help="default: results/checkpoint_memory-<sizes>MiB.json")
+    parser.add_argument("--markdown", help="default: results/checkpoint_memory-<sizes>MiB.md")
     parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size-mib", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--directory", help=argparse.SUPPRESS)
@@ -243,6 +260,9 @@ def main(argv=None):
     if options.chief:
         run_chief(options)
         return
+    stem = os.path.join(RESULTS, "checkpoint_memory-" + "-".join(map(str, options.sizes_mib)) + "MiB")
+    options.json = options.json or stem + ".json"
+    options.markdown = options.markdown or stem + ".md"
     host = machine.describe()
     code = machine.code_version()
     before = options.before or subprocess.run(
@@ -257,7 +277,7 @@ def main(argv=None):
         for size in options.sizes_mib:
             for version in options.versions:
                 code_dir = before_dir if version == "before" else REPO
-                runs.append(measure(size, version, code_dir, options.timeout))
+                runs.append(measure(size, version, code_dir, options.apis, options.timeout))
     report = {"machine": host, "code": code, "before_commit": before,
               "invocation": invocation, "runs": runs}
     with open(options.json, "w") as f:
