@@ -28,6 +28,7 @@ print(checkpointing.read_rows(t, 2, 5))             # rows 2, 3, 4
 ```
 """
 
+import contextlib
 import os
 import time
 
@@ -123,7 +124,7 @@ def write_rows(table, start, values):
         offset, local, count = _rows_in_range(start, stop, k, num_shards)
         if count == 0:
             continue
-        with tf.device(values.device or None):
+        with tf.device(values.device) if values.device else contextlib.nullcontext():
             part = values[offset:offset + (count - 1) * num_shards + 1:num_shards]
         with tf.device(shard.device):
             assignments.append(tf.raw_ops.ResourceStridedSliceAssign(
@@ -262,7 +263,8 @@ def _checked(method, mode):
     """A MultiDeviceSaver method that first checks every remote task sees the path."""
 
     def checked(self, file_prefix, options=None):
-        tasks = _remote_tasks(self)
+        # With an io device, that device alone writes and reads the files.
+        tasks = [] if getattr(options, "experimental_io_device", None) else _remote_tasks(self)
         if tasks and tf.executing_eagerly():
             check_storage(file_prefix, tasks, mode)
         return method(self, file_prefix, options)
