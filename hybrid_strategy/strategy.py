@@ -49,6 +49,7 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 from tensorflow.python.ops import resource_variable_ops
 
 from hybrid_strategy import batches
+from hybrid_strategy import checkpointing
 from hybrid_strategy import clipping
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
@@ -254,6 +255,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         legacy = batches.legacy_keras()
         if legacy is not None:
             table_lib.check_embedding_ids(legacy.layers.Embedding, _under_hybrid_strategy)
+        checkpointing.install_hooks()
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():

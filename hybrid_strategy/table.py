@@ -57,6 +57,7 @@ from tensorflow.python.util import dispatch
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
+from hybrid_strategy import checkpointing
 from hybrid_strategy.placement import shard_rows
 
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
@@ -277,13 +278,14 @@ class ShardedTable(tf.Variable):
         with tf.device(copy.device):
             copy.assign(_read_whole(self))
 
-    # Checkpoints: the whole table under one key, whatever the sharding --------
+    # Checkpoints: the table in row order under one key, each block written and
+    # read on its own ps (see checkpointing.py) --------------------------------
 
     def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": _read_whole(self)}
+        return checkpointing.serialize(self)
 
     def _restore_from_tensors(self, restored_tensors):
-        return self.assign(restored_tensors["VARIABLE_VALUE"])
+        return checkpointing.restore(self, restored_tensors)
 
 
 class _Ref:

@@ -1,0 +1,440 @@
+"""Checkpoints of PS tables: every ps task writes and reads its own rows; the chief holds none.
+
+`tf.train.Checkpoint` (and `CheckpointManager`): a table of R rows dealt over S shards is
+saved under the key a `tf.Variable` of its shape would use (`VARIABLE_VALUE`), as S
+contiguous row blocks (slices of the table in row order) sized like the shards. Block j
+is assembled on shard j's ps task from the rows every shard holds in its range and
+written there by TensorFlow's own SaveV2 (the saver runs it on the device of the block's
+`SaveSpec`). Restoring reads each block on the ps task of the shard with its number and
+deals its rows to the shards that hold them. Since what is saved is the table in row
+order:
+- a checkpoint restores into any number of ps tasks (TensorFlow assembles any row range
+  from the saved slices), on one machine, and into a plain Keras model or `tf.Variable`;
+- a plain model's checkpoint restores into a table.
+Every task that holds variables writes its part of the checkpoint itself, so every task
+must see the checkpoint path (a shared filesystem, or gs:// / s3:// through TensorFlow's
+filesystems); `CheckpointStorageError` says which task cannot.
+
+Keras 3 `.weights.h5` / `.keras` files are written by the chief alone (one h5 file): a
+table is streamed into its h5 dataset and back by blocks of `BLOCK_BYTES`, so the chief
+holds one block at a time and the file stays an ordinary Keras weights file.
+
+```python
+import tensorflow as tf
+from hybrid_strategy import checkpointing, table
+shards = [tf.Variable(tf.reshape(tf.range(8.0), (4, 2))), tf.Variable(tf.ones((3, 2)))]
+t = table.ShardedTable(shards, "emb/embeddings")   # rows 0, 2, 4, 6 and 1, 3, 5
+print(checkpointing.read_rows(t, 2, 5))             # rows 2, 3, 4
+```
+"""
+
+import contextlib
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+# TF-private: `SaveSpec` is how `_serialize_to_tensors` gives a tensor built lazily on a
+# device of its choice (the block, on its ps); `saveable_object_util.TrackableSaveable`
+# and `functional_saver.MultiDeviceSaver` are patched below (see `install_hooks`).
+from tensorflow.python.checkpoint import functional_saver
+from tensorflow.python.training.saving import saveable_object
+from tensorflow.python.training.saving import saveable_object_util
+
+from hybrid_strategy.placement import shard_rows
+
+VARIABLE_VALUE = "VARIABLE_VALUE"
+# Bytes of a table the chief holds at once while streaming it to or from an h5 file.
+BLOCK_BYTES = 4 << 20
+_PROBE_PREFIX = ".hybrid_strategy_probe"
+_hooks_installed = False
+
+
+class CheckpointStorageError(OSError):
+    """A task cannot write or read the checkpoint path the chief uses."""
+
+
+# Row arithmetic ------------------------------------------------------------------
+
+
+def row_blocks(num_rows, num_blocks):
+    """Contiguous `(start, stop)` row ranges, block j as many rows as shard j."""
+    bounds = np.cumsum([0] + shard_rows(num_rows, num_blocks)).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _rows_in_range(start, stop, k, num_shards):
+    """Shard k's rows within table rows [start, stop).
+
+    Returns (offset of the first one from `start`, its row within the shard, count).
+    """
+    first = start + (k - start) % num_shards
+    if first >= stop:
+        return 0, 0, 0
+    return first - start, first // num_shards, (stop - 1 - first) // num_shards + 1
+
+
+def _table_of(value):
+    """The ShardedTable `value` is or wraps (a Keras 3 variable), else None."""
+    from hybrid_strategy.table import is_table  # table.py imports this module
+
+    if is_table(value):
+        return value
+    inner = getattr(value, "_value", None)
+    return inner if is_table(inner) else None
+
+
+# Reading and writing row ranges ------------------------------------------------------
+
+
+def read_rows(table, start, stop):
+    """Table rows [start, stop) in row order; each shard's part is sliced on its own ps.
+
+    The parts are interleaved where the caller's device scope puts the result.
+    """
+    num_shards = table.num_shards
+    parts, positions = [], []
+    for k, shard in enumerate(table.shards):
+        offset, local, count = _rows_in_range(start, stop, k, num_shards)
+        if count == 0:
+            continue
+        with tf.device(shard.device):
+            value = tf.raw_ops.ReadVariableOp(resource=shard.handle, dtype=table.dtype)
+            parts.append(value[local:local + count])
+        positions.append(tf.range(offset, offset + (count - 1) * num_shards + 1, num_shards))
+    if len(parts) == 1:
+        return tf.identity(parts[0])
+    return tf.dynamic_stitch(positions, parts)
+
+
+def write_rows(table, start, values):
+    """Writes `values`, table rows [start, start + len(values)), into the shards.
+
+    Each shard's rows are picked out where `values` lives and written on the shard's
+    own ps. Returns the assignments (None each, eagerly).
+    """
+    values = tf.convert_to_tensor(values, dtype=table.dtype)
+    stop = start + int(values.shape[0]) if values.shape.rank else None
+    if stop is None:
+        raise ValueError(f"rows written into table {table.path} need a known row count.")
+    num_shards = table.num_shards
+    assignments = []
+    for k, shard in enumerate(table.shards):
+        offset, local, count = _rows_in_range(start, stop, k, num_shards)
+        if count == 0:
+            continue
+        with tf.device(values.device) if values.device else contextlib.nullcontext():
+            part = values[offset:offset + (count - 1) * num_shards + 1:num_shards]
+        with tf.device(shard.device):
+            assignments.append(tf.raw_ops.ResourceStridedSliceAssign(
+                ref=shard.handle, begin=[local], end=[local + count], strides=[1],
+                value=part))
+    return assignments
+
+
+# tf.train.Checkpoint --------------------------------------------------------------
+
+
+def _block_spec(table, start, stop):
+    shape = table.shape.as_list()
+    return tf.Variable.SaveSliceInfo(
+        full_name=table.path, full_shape=shape, var_offset=[start] + [0] * (len(shape) - 1),
+        var_shape=[stop - start] + shape[1:]).spec
+
+
+def serialize(table):
+    """`ShardedTable._serialize_to_tensors`: the table's row blocks, each on its ps.
+
+    A table of one shard is saved as that shard, exactly as a `tf.Variable` is.
+    """
+    if table.num_shards == 1:
+        return table.shards[0]._serialize_to_tensors()  # pylint: disable=protected-access
+    blocks = {}
+    for shard, (start, stop) in zip(table.shards, row_blocks(table.shape[0], table.num_shards)):
+        spec = _block_spec(table, start, stop)
+        blocks[spec] = saveable_object.SaveSpec(
+            lambda start=start, stop=stop: read_rows(table, start, stop), spec,
+            name=table.path, dtype=table.dtype, device=shard.device)
+    return {VARIABLE_VALUE: blocks}
+
+
+def restore(table, restored_tensors):
+    """`ShardedTable._restore_from_tensors`: deals each restored block's rows to the shards.
+
+    `restored_tensors[VARIABLE_VALUE]` holds the blocks `serialize` asked for (by slice
+    spec), or the whole table when a single tensor was restored.
+    """
+    restored = restored_tensors[VARIABLE_VALUE]
+    if not isinstance(restored, dict):
+        if table.num_shards == 1:
+            return table.shards[0]._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
+        restored = {"": restored}
+        ranges = {"": (0, table.shape[0])}
+    else:
+        ranges = {_block_spec(table, start, stop): (start, stop)
+                  for start, stop in row_blocks(table.shape[0], table.num_shards)}
+    assignments = []
+    for spec, block in restored.items():
+        start, stop = ranges[spec]
+        block = tf.ensure_shape(block, [stop - start] + table.shape.as_list()[1:])
+        assignments += write_rows(table, start, block)
+    return tf.group(assignments) if not tf.executing_eagerly() else None
+
+
+def _restore_every_slice(original):
+    """TrackableSaveable.restore that hands `_restore_from_tensors` every slice of a name.
+
+    TensorFlow's adapter pairs one restored tensor with each local name, so a name
+    saved as several slices (a table's row blocks) would get its first slice only;
+    this passes `{slice_spec: tensor}` for such names, as `MultiDeviceSaver` does.
+    """
+
+    def restore_fn(self, restored_tensors, restored_shapes):
+        if len(self.specs) == len(self._local_names):
+            return original(self, restored_tensors, restored_shapes)
+        grouped = {}
+        for spec, tensor in zip(self.specs, restored_tensors):
+            grouped.setdefault(spec.name, {})[spec.slice_spec] = tensor
+        by_name = {}
+        for local_name, slices in zip(self._local_names, grouped.values()):
+            by_name[local_name] = slices[""] if list(slices) == [""] else slices
+        result = self._trackable._restore_from_tensors(by_name)  # pylint: disable=protected-access
+        return result if result is not None else tf.no_op()
+
+    return restore_fn
+
+
+def _remote_tasks(saver):
+    """`/job:x/replica:0/task:i` of every worker or ps task that writes part of `saver`'s checkpoint."""
+    tasks = set()
+    for task in saver._shardable_tensors_by_task:  # pylint: disable=protected-access
+        if task.job in ("worker", "ps"):
+            tasks.add(f"/job:{task.job}/replica:0/task:{task.task or 0}")
+    return sorted(tasks)
+
+
+_STORAGE_ADVICE = (
+    "Every task holding variables (each ps task, and the first worker) writes and reads "
+    "its own part of a checkpoint, so the checkpoint path must be storage every task of "
+    "the cluster sees: a shared filesystem mounted at the same path, or gs:// / s3:// "
+    "through TensorFlow's filesystems.")
+
+
+def check_storage(file_prefix, tasks, mode):
+    """Raises `CheckpointStorageError` unless each of `tasks` sees `file_prefix` as the chief does.
+
+    mode "write": each task writes a probe file beside the checkpoint that the chief
+    must read back; mode "read": each task must find the checkpoint's index file.
+    """
+    prefix = file_prefix.numpy().decode() if tf.is_tensor(file_prefix) else str(file_prefix)
+    directory = os.path.dirname(prefix) or "."
+    for task in tasks:
+        where = f"{task}/device:CPU:0"
+        name = task.replace("/job:", "").replace("/replica:0/task:", "_")
+        if mode == "read":
+            with tf.device(where):
+                found = tf.io.matching_files(prefix + ".index")
+            if int(tf.size(found)) == 0:
+                raise CheckpointStorageError(
+                    f"Checkpoint {prefix} is missing for task {task}, which must read its "
+                    f"part of it: it finds no {prefix}.index. {_STORAGE_ADVICE}")
+            continue
+        probe = os.path.join(directory, f"{_PROBE_PREFIX}_{name}_{os.getpid()}_{time.time_ns()}")
+        try:
+            with tf.device(where):
+                tf.io.write_file(probe, probe)
+                # Reading the count back waits for the (asynchronous) remote write.
+                written = int(tf.size(tf.io.matching_files(probe)))
+        except tf.errors.OpError as error:
+            raise CheckpointStorageError(
+                f"Task {task} cannot write the checkpoint directory {directory}: "
+                f"{error.message.splitlines()[0]}. {_STORAGE_ADVICE}") from None
+        if not (written and tf.io.gfile.exists(probe)
+                and tf.io.read_file(probe).numpy().decode() == probe):
+            raise CheckpointStorageError(
+                f"Task {task} writes the checkpoint directory {directory} on storage the "
+                f"chief does not see (a file it wrote there is missing on the chief). "
+                f"{_STORAGE_ADVICE}")
+        tf.io.gfile.remove(probe)
+
+
+def _checked(method, mode):
+    """A MultiDeviceSaver method that first checks every remote task sees the path."""
+
+    def checked(self, file_prefix, options=None):
+        # With an io device, that device alone writes and reads the files.
+        tasks = [] if getattr(options, "experimental_io_device", None) else _remote_tasks(self)
+        if tasks and tf.executing_eagerly():
+            check_storage(file_prefix, tasks, mode)
+        return method(self, file_prefix, options)
+
+    return checked
+
+
+def _restore_with_shape(original):
+    """Keras 3 `Variable._restore_from_tensors` given a tensor of known shape.
+
+    On a cluster TensorFlow restores inside a tf.function, where RestoreV2's output
+    has no static shape; Keras' `assign` would fail taking its length. Slices (a
+    table's blocks) pass through untouched.
+    """
+
+    def restore_fn(self, restored_tensors):
+        restored_tensors = {
+            key: tf.ensure_shape(value, self.shape)
+            if tf.is_tensor(value) and value.shape.rank is None else value
+            for key, value in restored_tensors.items()}
+        return original(self, restored_tensors)
+
+    return restore_fn
+
+
+# Keras 3 h5 files -------------------------------------------------------------------
+
+
+def block_rows(table):
+    """Rows per streamed block: `BLOCK_BYTES` worth, at least one."""
+    row_bytes = max(1, int(np.prod(table.shape.as_list()[1:])) * table.dtype.size)
+    return max(1, BLOCK_BYTES // row_bytes)
+
+
+def write_h5(group, key, table):
+    """Writes `table` into a new dataset `group[key]`, one block of rows at a time."""
+    dataset = group.create_dataset(key, shape=table.shape.as_list(),
+                                   dtype=table.dtype.as_numpy_dtype)
+    step = block_rows(table)
+    with tf.device("/device:CPU:0"):
+        for start in range(0, table.shape[0], step):
+            stop = min(start + step, table.shape[0])
+            dataset[start:stop] = read_rows(table, start, stop).numpy()
+
+
+def read_h5(dataset, table):
+    """Assigns an h5 dataset to `table`, one block of rows at a time."""
+    if tuple(dataset.shape) != tuple(table.shape.as_list()):
+        raise ValueError(
+            f"The weights file holds shape {tuple(dataset.shape)} for table {table.path} "
+            f"of shape {tuple(table.shape.as_list())}.")
+    step = block_rows(table)
+    with tf.device("/device:CPU:0"):
+        for start in range(0, table.shape[0], step):
+            write_rows(table, start, dataset[start:min(start + step, table.shape[0])])
+
+
+class StoredRows:
+    """An h5 dataset handed to `Variable.assign` unread: a table streams it by blocks.
+
+    Anything else reading it gets the array (`np.asarray`, indexing).
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.shape = tuple(dataset.shape)
+        self.dtype = dataset.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.dataset[()], dtype=dtype)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __len__(self):
+        return self.shape[0]
+
+
+def _store_setitem(original):
+    def setitem(self, key, value):
+        table = _table_of(value)
+        if table is None or self.mode not in ("w", "a"):
+            return original(self, key, value)
+        if not self._h5_entry_initialized:
+            self._create_h5_group(self._h5_entry_path)
+        write_h5(self._h5_entry_group, key, table)
+
+    return setitem
+
+
+def _store_getitem(original):
+    def getitem(self, key):
+        dataset = self._h5_entry_group.get(key) if hasattr(self._h5_entry_group, "get") else None
+        if (dataset is not None and getattr(dataset, "ndim", 0) >= 2
+                and dataset.size * dataset.dtype.itemsize > BLOCK_BYTES
+                and "dtype" not in dataset.attrs):
+            return StoredRows(dataset)
+        return original(self, key)
+
+    return getitem
+
+
+def _assign_streaming(original):
+    def assign(self, value):
+        if isinstance(value, StoredRows):
+            table = _table_of(self)
+            if table is not None:
+                read_h5(value.dataset, table)
+                return self
+            value = np.asarray(value)
+        return original(self, value)
+
+    return assign
+
+
+def _optimizer_save_own_variables(self, store):
+    """Keras' `BaseOptimizer.save_own_variables`, with tables passed unread to the store."""
+    for i, variable in enumerate(self.variables):
+        store[str(i)] = variable if _table_of(variable) is not None else variable.numpy()
+
+
+def _not_in_memory_if_tables(original):
+    """`.keras` files of models with tables go through a temporary h5 file on disk.
+
+    Keras would otherwise build the whole h5 file in the chief's memory.
+    """
+
+    def is_memory_sufficient(model):
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        variables += list(getattr(optimizer, "variables", None) or [])
+        if any(_table_of(v) is not None for v in variables):
+            return False
+        return original(model)
+
+    return is_memory_sufficient
+
+
+def install_hooks():
+    """Lets TensorFlow's and Keras 3's checkpoints save and restore tables by rows.
+
+    - TensorFlow: restore hands a table all its row blocks (`_restore_every_slice`);
+      saving and restoring on a cluster first checks every task sees the path.
+    - Keras 3: restoring a mirrored variable inside a tf.function gets a tensor of
+      known shape; h5 files stream tables by blocks (store `__setitem__` /
+      `__getitem__`, `Variable.assign`, the optimizer's `save_own_variables`), and
+      `.keras` files of models with tables are built on disk, not in memory.
+    """
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    saveable = saveable_object_util.TrackableSaveable
+    saveable.restore = _restore_every_slice(saveable.restore)
+    saver = functional_saver.MultiDeviceSaver
+    saver.save = _checked(saver.save, "write")
+    saver.restore = _checked(saver.restore, "read")
+    try:
+        import keras
+        from keras.src.optimizers import base_optimizer
+        from keras.src.saving import saving_lib
+    except ImportError:  # tf_keras only: its tables are restored through TensorFlow's path
+        return
+    if not hasattr(keras, "Variable"):
+        return
+    keras.Variable._restore_from_tensors = _restore_with_shape(
+        keras.Variable._restore_from_tensors)
+    keras.Variable.assign = _assign_streaming(keras.Variable.assign)
+    store = saving_lib.H5IOStore
+    store.__setitem__ = _store_setitem(store.__setitem__)
+    store.__getitem__ = _store_getitem(store.__getitem__)
+    base_optimizer.BaseOptimizer.save_own_variables = _optimizer_save_own_variables
+    saving_lib.is_memory_sufficient = _not_in_memory_if_tables(saving_lib.is_memory_sufficient)

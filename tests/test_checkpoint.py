@@ -1,0 +1,285 @@
+"""Checkpoints of PS tables round-trip on real clusters, across ps counts, and without one.
+
+The chief programs are phases of this file, run as subprocesses that print a JSON
+report (one cluster run does every case):
+- `save` on 1 worker + 2 ps: trains a model whose large table is dealt over both ps
+  (and a small one stays whole), saves it with tf.train.Checkpoint (CheckpointManager),
+  Checkpoint.write, save_weights (.weights.h5), model.save (.keras) and
+  BackupAndRestore, keeps the saved values in an npz, restores each format in place
+  over zeroed weights, and saves to paths a task cannot write or see;
+- `restore` on 1 worker + 3 ps, and on one machine (HybridStrategy without
+  TF_CONFIG), which then saves again;
+- `plain`: a Keras model without any strategy restores both the 2-ps and the
+  one-machine saves (for export).
+Restored weights, optimizer slots and iterations must equal the saved ones exactly.
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VOCAB, SMALL_VOCAB, DIM, SEQ, BATCH, EPOCHS = 1001, 37, 8, 3, 32, 2
+# Small enough that the 32 KB table is dealt over every ps; the 592-byte one stays whole.
+MIN_SHARD_BYTES = 1024
+_CHIEF_ONLY_FD = 987
+FORMATS = ("manager", "write", "weights_h5", "keras", "backup")
+
+
+# The chief programs ---------------------------------------------------------------
+
+
+def _build(keras):
+    ids = keras.Input(shape=(SEQ,), dtype="int32")
+    big = keras.layers.Embedding(VOCAB, DIM, name="big")(ids)
+    small = keras.layers.Embedding(SMALL_VOCAB, 4, name="small")(ids % SMALL_VOCAB)
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(big), keras.layers.Flatten()(small)])
+    x = keras.layers.Dense(4, activation="tanh", name="hidden")(x)
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(x))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.2), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, size=(4 * BATCH, SEQ)).astype("int32")
+    return ids, np.sin(ids.sum(axis=1, keepdims=True) / 300.0).astype("float32")
+
+
+def _state(model):
+    return ([np.asarray(w) for w in model.get_weights()]
+            + [np.asarray(v.numpy()) for v in model.optimizer.variables])
+
+
+def _zero(model):
+    for v in list(model.weights) + list(model.optimizer.variables):
+        v.assign(np.zeros(v.shape, v.dtype))
+
+
+def _compare(model, reference):
+    state = _state(model)
+    if len(state) != len(reference):
+        return {"error": f"{len(state)} values restored, {len(reference)} saved"}
+    return {"max_error": max(float(np.max(np.abs(a.astype("float64") - b.astype("float64"))))
+                             for a, b in zip(state, reference)),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "table_shards": _shards(model)}
+
+
+def _shards(model):
+    value = getattr(model.get_layer("big").embeddings, "_value", None)
+    return getattr(value, "num_shards", None)
+
+
+def _paths(directory):
+    return {"manager": os.path.join(directory, "manager"),
+            "write": os.path.join(directory, "written", "ckpt"),
+            "weights_h5": os.path.join(directory, "model.weights.h5"),
+            "keras": os.path.join(directory, "model.keras"),
+            "backup": os.path.join(directory, "backup")}
+
+
+def _save_all(tf, keras, model, directory):
+    paths = _paths(directory)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    tf.train.CheckpointManager(checkpoint, paths["manager"], max_to_keep=1).save()
+    checkpoint.write(paths["write"])
+    model.save_weights(paths["weights_h5"])
+    model.save(paths["keras"])
+
+
+def _restore(tf, keras, fmt, directory, make_model, scope):
+    """A model restored from `fmt` in `directory` (over zeroed weights where it exists)."""
+    paths = _paths(directory)
+    if fmt == "keras":
+        with scope():
+            return keras.models.load_model(paths["keras"])
+    with scope():
+        model = make_model()
+    _zero(model)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    if fmt == "manager":
+        checkpoint.restore(tf.train.latest_checkpoint(paths["manager"])).assert_existing_objects_matched()
+    elif fmt == "write":
+        checkpoint.read(paths["write"]).assert_existing_objects_matched()
+    elif fmt == "weights_h5":
+        model.load_weights(paths["weights_h5"])
+    else:  # BackupAndRestore resumes after the saved epochs: fit runs no step.
+        ids, y = _data()
+        model.fit(ids, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(paths["backup"], delete_checkpoint=False)])
+    return model
+
+
+def _restore_all(tf, keras, directories, make_model, scope):
+    out = {}
+    for name, directory in directories.items():
+        reference = list(np.load(os.path.join(directory, "reference.npz")).values())
+        for fmt in FORMATS:
+            if fmt == "backup" and not os.path.isdir(_paths(directory)["backup"]):
+                continue
+            model = _restore(tf, keras, fmt, directory, make_model, scope)
+            out[f"{name}/{fmt}"] = _compare(model, reference)
+    return out
+
+
+def _storage_errors(tf, model, directory):
+    """Saves to paths the chief can use but a ps task cannot write, or does not share."""
+    # /proc/self/fd/N is this process's open directory; in a ps task it is nothing.
+    own = os.path.join(directory, "chief_only")
+    os.makedirs(own)
+    os.dup2(os.open(own, os.O_RDONLY), _CHIEF_ONLY_FD)
+    out = {}
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    # ram:// is each process's own memory: a ps task's files there are not the chief's.
+    for name, path in (("unwritable", f"/proc/self/fd/{_CHIEF_ONLY_FD}/ckpt"),
+                       ("not_shared", "ram://hybrid_checkpoint_test/ckpt")):
+        try:
+            checkpoint.write(path)
+            out[name] = {"error": None}
+        except Exception as error:  # pylint: disable=broad-except
+            out[name] = {"type": type(error).__name__, "error": str(error)}
+    return out
+
+
+def main(argv):
+    import tensorflow as tf
+    import keras
+
+    phase, directory = argv[0], argv[1]
+    make_model = lambda: _build(keras)  # noqa: E731
+    if phase == "plain":
+        restored = _restore_all(tf, keras, {"two_ps": os.path.join(directory, "two_ps"),
+                                            "one_machine": os.path.join(directory, "one_machine")},
+                                make_model, contextlib.nullcontext)
+        print(json.dumps({"restored": restored}))
+        return
+    import hybrid_strategy
+
+    strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES)
+    scope = strategy.scope
+    report = {}
+    if phase == "save":
+        target = os.path.join(directory, "two_ps")
+        with scope():
+            model = make_model()
+        ids, y = _data()
+        model.fit(ids, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(_paths(target)["backup"], delete_checkpoint=False)])
+        os.makedirs(target, exist_ok=True)
+        np.savez(os.path.join(target, "reference.npz"), *_state(model))
+        _save_all(tf, keras, model, target)
+        report["saved_shards"] = _shards(model)
+        written = os.path.dirname(_paths(target)["write"])
+        report["data_file_bytes"] = sorted(
+            os.path.getsize(os.path.join(written, f)) for f in os.listdir(written)
+            if ".data-" in f)
+        report["restored"] = _restore_all(tf, keras, {"two_ps": target}, make_model, scope)
+        report["storage"] = _storage_errors(tf, model, directory)
+    elif phase == "restore":
+        report["restored"] = _restore_all(
+            tf, keras, {"two_ps": os.path.join(directory, "two_ps")}, make_model, scope)
+        if strategy.cluster is None:
+            # One machine saves again, for the plain model to restore.
+            target = os.path.join(directory, "one_machine")
+            model = _restore(tf, keras, "write", os.path.join(directory, "two_ps"),
+                             make_model, scope)
+            os.makedirs(target, exist_ok=True)
+            np.savez(os.path.join(target, "reference.npz"), *_state(model))
+            _save_all(tf, keras, model, target)
+    print(json.dumps(report))
+
+
+# The tests ---------------------------------------------------------------------------
+
+
+def _phase(phase, directory, ps=None):
+    command = [os.path.abspath(__file__), phase, directory]
+    if ps is not None:
+        command = ["-m", "hybrid_strategy.launch", "--workers", "1", "--ps", str(ps), "--",
+                   sys.executable] + command
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="0",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run([sys.executable] + command, env=env, capture_output=True,
+                         text=True, timeout=900, cwd=ROOT)
+    if run.returncode != 0:
+        pytest.fail(f"checkpoint phase {phase} (ps={ps}) exited {run.returncode}:\n"
+                    f"{run.stderr[-6000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("checkpoints"))
+    return {"save": _phase("save", directory, ps=2),
+            "three_ps": _phase("restore", directory, ps=3),
+            "one_machine": _phase("restore", directory),
+            "plain": _phase("plain", directory)}
+
+
+def _assert_equal_to_saved(restored, keys, shards):
+    assert sorted(restored) == sorted(keys)
+    for key in keys:
+        case = restored[key]
+        assert "error" not in case, f"{key}: {case['error']}"
+        assert case["max_error"] == 0.0, f"{key}: restored values differ by {case['max_error']}"
+        assert case["iterations"] == 4 * EPOCHS, f"{key}: iterations {case['iterations']}"
+        assert case["table_shards"] == shards, key
+
+
+def test_round_trip_on_the_cluster(reports):
+    assert reports["save"]["saved_shards"] == 2
+    _assert_equal_to_saved(reports["save"]["restored"],
+                           [f"two_ps/{f}" for f in FORMATS], shards=2)
+
+
+def test_each_ps_writes_its_own_rows(reports):
+    # SaveV2 writes one data file per task: each ps's holds half the table and its slot.
+    table_and_slot = 2 * VOCAB * DIM * 4
+    files = reports["save"]["data_file_bytes"]
+    assert len(files) >= 3, files
+    assert all(size >= 0.45 * table_and_slot for size in files[-2:]), files
+    assert sum(files[:-2]) < 0.1 * table_and_slot, files
+
+
+def test_restore_on_three_ps_reshards(reports):
+    _assert_equal_to_saved(reports["three_ps"]["restored"],
+                           [f"two_ps/{f}" for f in FORMATS], shards=3)
+
+
+def test_restore_on_one_machine(reports):
+    _assert_equal_to_saved(reports["one_machine"]["restored"],
+                           [f"two_ps/{f}" for f in FORMATS], shards=1)
+
+
+def test_restore_without_a_strategy(reports):
+    restored = reports["plain"]["restored"]
+    # The one-machine run saved no BackupAndRestore state.
+    keys = [f"two_ps/{f}" for f in FORMATS] + [f"one_machine/{f}" for f in FORMATS
+                                               if f != "backup"]
+    _assert_equal_to_saved(restored, keys, shards=None)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("unwritable", "cannot write the checkpoint directory"),
+    ("not_shared", "on storage the chief does not see"),
+])
+def test_a_path_a_task_cannot_use_is_a_clear_error(reports, case, says):
+    error = reports["save"]["storage"][case]
+    assert error["error"] is not None, f"saving to the {case} path did not fail"
+    assert error["type"] == "CheckpointStorageError"
+    assert says in error["error"]
+    assert "/job:ps/replica:0/task:0" in error["error"]
+    assert "shared filesystem" in error["error"]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
