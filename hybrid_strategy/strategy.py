@@ -54,6 +54,7 @@ from hybrid_strategy import clipping
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import creation
+from hybrid_strategy import multi_step
 from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
@@ -256,15 +257,22 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         if legacy is not None:
             table_lib.check_embedding_ids(legacy.layers.Embedding, _under_hybrid_strategy)
         checkpointing.install_hooks()
+        multi_step.install(_spans_devices)
+
+    @property
+    def spans_devices(self):
+        """Whether replicas run on several devices or tasks (no tf.while_loop then)."""
+        return self.cluster is not None or len(self._devices) > 1
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():
+        if self.spans_devices and _inside_while_loop():
             raise NotImplementedError(
-                "HybridStrategy runs one training step per call when it spans several "
-                "devices or tasks: a step inside a tf.while_loop (Keras "
-                "compile(steps_per_execution=N) with N > 1) fails on TensorFlow 2.21 "
-                "when the loop spans devices (its loop variables are not sent to the "
-                "other devices). Use steps_per_execution=1, the default.")
+                "HybridStrategy cannot run a step inside a tf.while_loop when it spans "
+                "several devices or tasks: TensorFlow 2.21 loses the loop's captured "
+                "inputs across devices. Keras' compile(steps_per_execution=N) works "
+                "(the strategy unrolls its N steps, except for tf_keras' predict and "
+                "autotuned steps_per_execution); run your own loop in Python, or call "
+                "strategy.run once per traced function.")
         # Mean losses check, while the replicas' steps are traced, that the global
         # batch was split evenly (batches.py).
         self.step_batch_sizes = batches.replica_batch_sizes(
@@ -519,6 +527,10 @@ def _components(value):
     if isinstance(value, values_lib.DistributedValues):
         return value.values
     return (value,)
+
+
+def _spans_devices(strategy):
+    return isinstance(strategy, HybridStrategy) and strategy.extended.spans_devices
 
 
 def _inside_while_loop():

@@ -1,0 +1,161 @@
+"""Several training steps per call over several devices or tasks, without a while loop.
+
+Keras runs `compile(steps_per_execution=N)` as a `tf.while_loop` around the step (Keras 3)
+or a `tf.range` loop that autograph turns into one (tf_keras). TensorFlow 2.21 cannot run
+that loop when the step spans devices: the loop's conditional branches lose the inputs
+they capture ("You must feed a value for placeholder tensor 'while/cond/...'"). So under
+a HybridStrategy whose replicas span several devices or tasks, `install()` makes Keras
+trace the N steps one after the other in one function instead:
+
+    outputs = step(iterator.get_next())                  # no data at all: OutOfRange
+    for the N - 1 other steps:
+        batch = iterator.get_next_as_optional()          # Keras 3
+        outputs = tf.cond(batch.has_value(), step(batch), outputs)
+        # tf_keras: tf.cond(i < steps_per_execution variable, step(next(iterator)), outputs)
+
+A conditional outside a loop runs across devices. Each step reads the variables the one
+before wrote (automatic control dependencies order the stateful ops as traced), so N
+steps per call train exactly as N calls of one step; a final call with fewer batches
+left (Keras 3: the data runs out; tf_keras: its data handler lowers the variable) runs
+only those. The cost: the traced function holds N copies of the step, so its tracing
+time and size grow with N.
+"""
+
+import os
+
+import tensorflow as tf
+
+_installed = False
+
+
+def install(unrolls):
+    """Makes Keras 3 (and tf_keras if it is in use) unroll multi-step executions.
+
+    Args:
+        unrolls: `unrolls(strategy)` says whether a model under `strategy` needs the
+            unrolled loop (a HybridStrategy spanning several devices or tasks).
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _install_keras3(unrolls)
+    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
+        _install_tf_keras(unrolls)
+
+
+def unrolled_steps(steps, first_step, later_step):
+    """`run(iterator)`: step 0, then steps 1 to `steps` - 1, each if its predicate holds.
+
+    Args:
+        steps: Steps per call (N).
+        first_step: `first_step(iterator) -> outputs`, step 0 (it reads its batch).
+        later_step: `later_step(iterator, i) -> (bool tensor, thunk)` for step i >= 1:
+            whether it runs, and the step (`thunk() -> outputs`).
+    Returns:
+        A function returning the outputs of the last step that ran.
+    """
+    def run(iterator):
+        outputs = first_step(iterator)
+        for i in range(1, steps):
+            runs, step = later_step(iterator, i)
+            outputs = tf.cond(runs, step, lambda o=outputs: o)
+        return outputs
+
+    return run
+
+
+def _install_keras3(unrolls):
+    # Keras-private: the trainer that builds `model.train_function` and
+    # `model.test_function`; Keras has no public way to change its step loop.
+    from keras.src.backend.tensorflow import trainer as trainer_lib
+
+    original = trainer_lib.TensorFlowTrainer._make_function
+
+    def _make_function(self, step_function):
+        if self.steps_per_execution <= 1 or not unrolls(self.distribute_strategy):
+            return original(self, step_function)
+        return _keras3_function(self, step_function, trainer_lib)
+
+    trainer_lib.TensorFlowTrainer._make_function = _make_function
+
+
+def _keras3_function(model, step_function, trainer_lib):
+    """Keras 3's `_make_function` with the while loop replaced by unrolled steps."""
+    strategy = model.distribute_strategy
+    steps = model.steps_per_execution
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return trainer_lib.reduce_per_replica(outputs, strategy, reduction="auto")
+
+    # Traced inline, not as a nested tf.function: a function call inside a
+    # conditional that spans devices loses its captured inputs on TensorFlow 2.21.
+    if model.jit_compile and not model.run_eagerly:
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
+                                       jit_compile=True)
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    def later_step(iterator, _):
+        batch = iterator.get_next_as_optional()
+        return batch.has_value(), lambda: one_step_on_data(batch.get_value())
+
+    # With no batch at all, get_next raises OutOfRange, which ends Keras' epoch.
+    multi_step_on_iterator = unrolled_steps(
+        steps, lambda iterator: one_step_on_data(iterator.get_next()), later_step)
+    if not model.run_eagerly:
+        multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return multi_step_on_iterator(iterator)
+        outputs = None
+        for _, data in zip(range(steps), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    return function
+
+
+def _install_tf_keras(unrolls):
+    import tf_keras
+
+    model_class = tf_keras.Model
+    for name in ("make_train_function", "make_test_function"):
+        setattr(model_class, name, _tf_keras_maker(getattr(model_class, name), name, unrolls))
+
+
+def _tf_keras_maker(original, name, unrolls):
+    """Wraps tf_keras' `make_train_function` or `make_test_function`."""
+    attribute = name[len("make_"):]
+
+    def make(self, force=False):
+        variable = getattr(self, "_steps_per_execution", None)
+        if ((getattr(self, attribute) is not None and not force) or variable is None
+                or self.autotune_steps_per_execution
+                or not unrolls(self.distribute_strategy)):
+            return original(self, force=force)
+        steps = int(variable.numpy())
+        if steps <= 1:
+            return original(self, force=force)
+        # tf_keras builds its one-step function when the variable holds 1; the
+        # variable keeps N for its data handler, which lowers it for a last,
+        # shorter execution.
+        variable.assign(1)
+        try:
+            one_step = original(self, force=True)
+        finally:
+            variable.assign(steps)
+        # Inline, as for Keras 3 (a nested function call loses its inputs).
+        one_step = getattr(one_step, "python_function", one_step)
+        function = unrolled_steps(
+            steps, one_step,
+            lambda iterator, i: (tf.less(tf.cast(i, variable.dtype), variable),
+                                 lambda: one_step(iterator)))
+        if not self.run_eagerly:
+            function = tf.function(function, reduce_retracing=True)
+        setattr(self, attribute, function)
+        return function
+
+    return make
