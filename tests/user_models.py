@@ -91,6 +91,7 @@ class HashedBag(keras.layers.Layer):
             shape=(self.rows, self.dim), name="table",
             initializer=keras.initializers.RandomNormal(stddev=0.3))
         self.scale = self.add_weight(shape=(self.dim,), name="scale", initializer="ones")
+        super().build(input_shape)
 
     def call(self, ids):
         ids = tf.cast(ids, "int32")  # Keras builds subclassed models on float inputs
@@ -123,6 +124,7 @@ class Bags(keras.Model):
         for bag in self.bags:
             bag.build(input_shape)
         self.score.build((None, DIM * len(self.bags)))
+        super().build(input_shape)
 
     def call(self, ids):
         return self.score(tf.concat([bag(ids) for bag in self.bags], axis=-1))
@@ -139,6 +141,7 @@ class FieldEncoder(keras.layers.Layer):
     def build(self, input_shape):
         self.embedding.build(input_shape)
         self.project.build(tuple(input_shape) + (DIM,))
+        super().build(input_shape)
 
     def call(self, ids):
         return self.project(self.embedding(ids))
