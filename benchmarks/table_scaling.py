@@ -166,7 +166,8 @@ def run_chief(options):
         "distribution": options.distribution, "batch_size": batch,
         "warmup": options.warmup, "steps": len(measured),
         "table_mib": options.rows * DIM * 4 / 2 ** 20,
-        "shards": len(strategy.placement["embedding/embeddings"].placement.shards),
+        "shards": len(next(r for r in strategy.placement
+                           if r.path.endswith("embedding/embeddings")).placement.shards),
         # What each ps must hold: its rows of the table, and as many of every slot.
         "table_and_slots_mib_per_ps": [
             nbytes * (1 + SLOTS[options.optimizer]) / 2 ** 20

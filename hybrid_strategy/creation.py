@@ -106,7 +106,8 @@ def describe_variable(kwargs, context):
     """The `VariableInfo` of the variable being created with `kwargs` in `context`."""
     dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
     name = str(kwargs.get("name") or "variable")
-    path = context.path or _scoped(name)
+    layer = context.owner if context.layer_classes else None
+    path = context.path or _tf_variable_path(name, layer)
     return placement_lib.VariableInfo(
         path=path, shape=context.shape, itemsize=dtype.size,
         layer_classes=context.layer_classes or (),
@@ -122,10 +123,16 @@ def _layer_classes(owner):
     return None if "Metric" in names else names
 
 
-def _scoped(name):
-    """The name TensorFlow gives a variable created here (tf_keras weight names)."""
+def _tf_variable_path(name, layer):
+    """The name TensorFlow gives a variable created here, as tf_keras weights show it.
+
+    A tf_keras layer built outside any name scope (its `build` called directly)
+    gives its weights bare names, which collide: "layer/variable" then.
+    """
     scope = tf.get_current_name_scope()
-    return f"{scope}/{name}" if scope else name
+    if scope:
+        return f"{scope}/{name}"
+    return f"{layer.name}/{name}" if layer is not None else name
 
 
 def _shape_of(shape):

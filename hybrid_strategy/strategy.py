@@ -18,6 +18,7 @@ print(strategy.placement)
 """
 
 import atexit
+import functools
 import inspect
 import itertools
 import os
@@ -95,8 +96,10 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 
     Placement is decided when a layer builds its weights: weights of Keras
     `Embedding` layers (and subclasses) go to a PS task, everything else is
-    mirrored. `placement_overrides` changes that per layer or variable, and
-    `strategy.placement` shows the result.
+    mirrored; a Keras 3 weight read by row (`tf.gather`, `ops.take`,
+    `tf.nn.embedding_lookup`) moves to a PS task at its first row read.
+    `placement_overrides` changes that per layer or variable, and
+    `strategy.placement` shows the result, by the paths of `model.weights`.
 
     ```python
     strategy = HybridStrategy(placement_overrides={"decoder/kernel": "ps"})
@@ -113,7 +116,8 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             "ps" (every layer weight on a PS task): one code path, so the three can
             be compared.
         placement_overrides: `{pattern: "ps" | "mirrored"}`; a pattern (fnmatch)
-            matches a variable path "layer_name/variable_name" or a layer name.
+            matches a variable's path as in `model.weights`, its "layer/variable"
+            tail, or the name of a layer on the path.
         min_shard_bytes: A PS table is split by rows over up to every PS task, in
             shards of at least this many bytes (default 1 MiB): smaller tables stay
             whole on one task.
@@ -355,13 +359,14 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
         slots = [s() for s in self._slots_of.pop(mirrored.ref(), ()) if s() is not None]
         with tf.init_scope():
-            table = self._table_from(mirrored, info.path, devices, _MovedTable)
+            table = self._table_from(
+                mirrored, info.path, devices,
+                functools.partial(_MovedTable, replaced_id=mirrored._unique_id))
             for slot in slots:
                 slot._value = self._table_from(
                     slot._value, f"{info.path}/{slot.name}", devices, table_lib.ShardedTable)
         keras_variable._value = table
-        # Nothing keeps the mirrored copies: a function traced before, reading
-        # them, fails loudly instead of reading stale values.
+        # The mirrored copies are not kept (the table is the variable now).
         del self._variable_infos[mirrored.ref()]
         return table
 
@@ -370,12 +375,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         value = mirrored.values[0].read_value()
         kwargs = dict(initial_value=value, dtype=mirrored.dtype,
                       trainable=mirrored.trainable, name=path.rsplit("/", 1)[-1])
-        table = self._create_table(
+        return self._create_table(
             lambda **kw: resource_variable_ops.ResourceVariable(**kw), kwargs, path,
             mirrored.shape, devices, None, table_class)
-        if table_class is _MovedTable:
-            table._replaced_id = mirrored._unique_id
-        return table
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):
@@ -502,7 +504,9 @@ class _MovedTable(table_lib.ShardedTable):
     the table keeps the mirrored variable's, so the optimizer still finds its slots.
     """
 
-    _replaced_id = None
+    def __init__(self, shards, path, name=None, *, replaced_id):
+        super().__init__(shards, path, name=name)
+        self._replaced_id = replaced_id
 
     @property
     def _unique_id(self):

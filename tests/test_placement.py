@@ -136,3 +136,56 @@ def test_gradient_misfit_advice():
     assert placement.gradient_misfit("mirrored", gradient_is_sparse=False) is None
     assert "dense gradient" in placement.gradient_misfit("ps", gradient_is_sparse=False)
     assert "sparse" in placement.gradient_misfit("mirrored", gradient_is_sparse=True)
+
+
+def test_overrides_match_keras_paths_their_tail_and_every_layer_on_the_path():
+    policy = placement.PlacementPolicy(
+        "hybrid", num_ps=1,
+        overrides={"model/features/query/embedding/embeddings": "mirrored",
+                   "context": "mirrored", "user_emb/embeddings": "mirrored",
+                   "embeddings": "mirrored"})
+    kinds = {path: policy.decide(info(path, classes=EMBEDDING)).kind for path in (
+        "model/features/query/embedding/embeddings",     # the full path
+        "model/features/context/embedding/embeddings",   # a layer on the path
+        "recommender/user_emb/embeddings",               # "layer/variable"
+        "recommender/item_emb/embeddings")}
+    assert kinds == {
+        "model/features/query/embedding/embeddings": "mirrored",
+        "model/features/context/embedding/embeddings": "mirrored",
+        "recommender/user_emb/embeddings": "mirrored",
+        "recommender/item_emb/embeddings": "ps"}
+    # A variable's own name is no layer name: "embeddings" matched nothing.
+    assert policy.unmatched_overrides() == ["embeddings"]
+
+
+def test_moving_a_mirrored_variable_to_the_ps_unless_pinned():
+    policy = placement.PlacementPolicy("hybrid", num_ps=2, overrides={"pinned": "mirrored"},
+                                       min_shard_bytes=100)
+    bag = info("bag/table", (100, 4))
+    assert policy.decide(bag).kind == "mirrored"
+    moved = policy.move_to_ps(bag, "read by row")
+    assert moved.ps_tasks == (0, 1)
+    assert policy.plan["bag/table"].placement == moved
+    assert policy.plan["bag/table"].reason == "read by row"
+    pinned = info("pinned/table", (100, 4))
+    policy.decide(pinned)
+    assert policy.move_to_ps(pinned, "read by row") is None
+    assert policy.plan["pinned/table"].placement.kind == "mirrored"
+    assert policy.move_to_ps(info("scalar/t", ()), "read by row") is None
+    allreduce = placement.PlacementPolicy("allreduce", num_ps=2)
+    assert allreduce.move_to_ps(bag, "read by row") is None
+
+
+@pytest.mark.parametrize("shape, described", [((), "() (a scalar)"), (None, "unknown")])
+def test_a_ps_override_needs_a_variable_with_rows(shape, described):
+    policy = placement.PlacementPolicy("hybrid", num_ps=1, overrides={"*": "ps"})
+    with pytest.raises(ValueError) as error:
+        policy.decide(info("layer/scale", shape))
+    assert f"placement_overrides['*'] = 'ps' matches variable 'layer/scale', whose " \
+           f"shape is {described}" in str(error.value)
+
+
+def test_architecture_ps_keeps_scalars_mirrored():
+    policy = placement.PlacementPolicy("ps", num_ps=1)
+    assert policy.decide(info("layer/scale", ())).kind == "mirrored"
+    assert policy.plan["layer/scale"].reason == "architecture 'ps', but no rows to split"

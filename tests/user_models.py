@@ -91,8 +91,10 @@ class HashedBag(keras.layers.Layer):
             shape=(self.rows, self.dim), name="table",
             initializer=keras.initializers.RandomNormal(stddev=0.3))
         self.scale = self.add_weight(shape=(self.dim,), name="scale", initializer="ones")
+        super().build(input_shape)
 
     def call(self, ids):
+        ids = tf.cast(ids, "int32")  # Keras builds subclassed models on float inputs
         if self.read == "gather":
             rows = tf.gather(self.table, ids)
         elif self.read == "take":
@@ -110,6 +112,24 @@ def custom_weights():
     return keras.Model(ids, keras.layers.Dense(1, name="score")(x))
 
 
+class Bags(keras.Model):
+    """`HashedBag`s in a subclassed model that builds its layers itself."""
+
+    def __init__(self):
+        super().__init__(name="bags")
+        self.bags = [HashedBag(VOCAB, DIM, read, name=f"bag_{read}") for read in ROW_READS]
+        self.score = keras.layers.Dense(1, name="score")
+
+    def build(self, input_shape):
+        for bag in self.bags:
+            bag.build(input_shape)
+        self.score.build((None, DIM * len(self.bags)))
+        super().build(input_shape)
+
+    def call(self, ids):
+        return self.score(tf.concat([bag(ids) for bag in self.bags], axis=-1))
+
+
 class FieldEncoder(keras.layers.Layer):
     """Embeds one id field and projects it; builds its sublayers in `build`."""
 
@@ -121,6 +141,7 @@ class FieldEncoder(keras.layers.Layer):
     def build(self, input_shape):
         self.embedding.build(input_shape)
         self.project.build(tuple(input_shape) + (DIM,))
+        super().build(input_shape)
 
     def call(self, ids):
         return self.project(self.embedding(ids))
@@ -155,6 +176,7 @@ MODELS = {
     "text_classifier": text_classifier,
     "recommender": Recommender,
     "custom_weights": custom_weights,
+    "bags": Bags,
     "nested": Nested,
 }
 
@@ -168,8 +190,14 @@ def make_data(num_examples=GLOBAL_BATCH * STEPS, seed=0):
 
 
 def built(name, ids):
+    """The model with its weights: functional ones have them at once, subclassed
+    ones after their own `build`, or else a call (Keras 3 then builds sublayers
+    on symbolic inputs and creates their weights later, outside `add_weight`)."""
     model = MODELS[name]()
-    model(ids[:2])  # subclassed models and layers without build() create weights here
+    if "build" in type(model).__dict__:
+        model.build((None, SEQ))
+    elif not model.built:
+        model(ids[:2])
     return model
 
 
@@ -189,17 +217,44 @@ def reference_weights(name, weights, optimizer, ids, y):
 
 
 def fit_weights(strategy, name, weights, optimizer, ids, y):
-    """`model.fit` under `strategy`: (model, PlacementWarning messages)."""
+    """`model.fit` under `strategy`: (model, PlacementWarning messages).
+
+    The optimizer is built before training, as restoring a checkpoint does: a
+    weight moved to the PS at its first row read takes its slots along.
+    """
     with strategy.scope():
         model = built(name, ids)
         model.set_weights(weights)
         model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+        model.optimizer.build(model.trainable_variables)
     dataset = tf.data.Dataset.from_tensor_slices((ids, y)).batch(GLOBAL_BATCH)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(dataset, epochs=1, verbose=0, shuffle=False)
     return model, [str(w.message) for w in caught
                    if type(w.message).__name__ == "PlacementWarning"]
+
+
+def custom_loop_weights(strategy, name, weights, optimizer, ids, y):
+    """A custom training loop (`strategy.run` in a `tf.function`): the weights."""
+    with strategy.scope():
+        model = built(name, ids)
+        model.set_weights(weights)
+        opt = OPTIMIZERS[optimizer]()
+        opt.build(model.trainable_variables)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((ids, y)).batch(GLOBAL_BATCH))
+
+    def replica_step(x, t):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x) - t)) / GLOBAL_BATCH
+        variables = model.trainable_variables
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    step = tf.function(lambda x, t: strategy.run(replica_step, (x, t)))
+    for x, t in dataset:
+        step(x, t)
+    return model.get_weights()
 
 
 def errors_by_path(model, actual, expected):
@@ -224,7 +279,13 @@ def model_case(make_hybrid, make_mirrored, name, optimizer):
         "gradient_types": strategy.gradient_types,
         "warnings": warned,
         "vs_single_device": errors_by_path(model, trained, reference),
+        "slots_on_ps": sorted(scenario.weight_path(v) for v in model.optimizer.variables
+                              if hasattr(scenario.raw_variable(v), "shards")),
     }
+    if name == "bags":
+        out["custom_loop_vs_single_device"] = errors_by_path(
+            model, custom_loop_weights(make_hybrid(), name, weights, optimizer, ids, y),
+            reference)
     if make_mirrored is not None:
         mirrored, _ = fit_weights(make_mirrored(), name, weights, optimizer, ids, y)
         out["mirrored_vs_single_device"] = errors_by_path(
