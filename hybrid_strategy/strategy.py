@@ -162,9 +162,6 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 class HybridExtended(mirrored_strategy.MirroredExtended):
     """The strategy's implementation: placement, sparse aggregation, PS updates."""
 
-    # Keras 3 optimizers clip the cross-replica sum of gradients (see clipping.py).
-    clips_summed_gradients = True
-
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, sparse_update,
                  devices, communication_options, connect_timeout, task_timeout):
@@ -219,14 +216,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.gradient_types = {}
         self.ps_aggregated = set()
         self.step_batch_sizes = None
-        table_lib.install_keras_hook()
-        clipping.install_keras_hook()
-        batches.install_keras_hooks()
-        import keras  # pylint: disable=import-outside-toplevel
-        table_lib.check_embedding_ids(keras.layers.Embedding, _under_hybrid_strategy)
-        legacy = batches.legacy_keras()
-        if legacy is not None:
-            table_lib.check_embedding_ids(legacy.layers.Embedding, _under_hybrid_strategy)
+        _install_keras_hooks()
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if (self.cluster is not None or len(self._devices) > 1) and _inside_while_loop():
@@ -396,6 +386,23 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 def _under_hybrid_strategy():
     return tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
                                                        HybridStrategy)
+
+
+def _install_keras_hooks():
+    """What HybridStrategy changes in Keras 3, and in tf_keras when `tf.keras` is it.
+
+    Each hook acts only under a HybridStrategy: PS tables' row reads and export
+    (table.py), clipping of the summed gradient (clipping.py), id checks in
+    Embedding layers (table.py), and the even split of batches (batches.py).
+    """
+    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
+
+    table_lib.install_keras_hook()
+    clipping.install_keras_hook(_under_hybrid_strategy)
+    batches.install_keras_hooks()
+    legacy = batches.legacy_keras()
+    for keras_module in (keras, legacy) if legacy is not None else (keras,):
+        table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)
 
 
 def _components(value):
