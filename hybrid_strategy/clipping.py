@@ -90,21 +90,13 @@ def _map_values(gradient, fn):
     return communication.shard_summed(parts, communication.table_of_sum(gradient))
 
 
-def _clipping_deferred(optimizer):
-    """True in a HybridStrategy replica context, for an optimizer that clips."""
-    if not (optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue):
-        return False
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return False
-    return getattr(tf.distribute.get_strategy().extended, "clips_summed_gradients", False)
-
-
-def install_keras_hook():
+def install_keras_hook(applies):
     """Makes Keras 3 optimizers clip the cross-replica sum, not each replica's part.
 
     Keras 3 clips in `_backend_apply_gradients` and sums the replicas' gradients
-    later, in `_all_reduce_sum_gradients`: under HybridStrategy, the first leaves
-    the gradients as they are and the second clips what it summed.
+    later, in `_all_reduce_sum_gradients`: in a replica context where `applies()`
+    (under HybridStrategy), the first leaves the gradients as they are and the
+    second clips what it summed.
     """
     # Keras-private: the TensorFlow backend's optimizer base, whose two methods
     # are where Keras clips and where it sums across replicas.
@@ -115,6 +107,10 @@ def install_keras_hook():
         return
     clip_gradients = optimizer_class._clip_gradients
     all_reduce_sum_gradients = optimizer_class._all_reduce_sum_gradients
+
+    def _clipping_deferred(optimizer):
+        clips = optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
+        return bool(clips) and applies() and not tf.distribute.in_cross_replica_context()
 
     def _clip_gradients(self, grads):
         if _clipping_deferred(self):

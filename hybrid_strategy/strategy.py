@@ -186,9 +186,6 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 class HybridExtended(mirrored_strategy.MirroredExtended):
     """The strategy's implementation: placement, sparse aggregation, PS updates."""
 
-    # Keras 3 optimizers clip the cross-replica sum of gradients (see clipping.py).
-    clips_summed_gradients = True
-
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, sparse_update,
                  devices, communication_options, connect_timeout, task_timeout):
@@ -250,18 +247,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.gradient_types = {}
         self.ps_aggregated = set()
         self.step_batch_sizes = None
-        table_lib.install_keras_hook()
-        table_lib.on_row_read(_move_to_ps_on_row_read)
-        creation.install_layer_tags()
-        clipping.install_keras_hook()
-        batches.install_keras_hooks()
-        import keras  # pylint: disable=import-outside-toplevel
-        table_lib.check_embedding_ids(keras.layers.Embedding, _under_hybrid_strategy)
-        legacy = batches.legacy_keras()
-        if legacy is not None:
-            table_lib.check_embedding_ids(legacy.layers.Embedding, _under_hybrid_strategy)
-        checkpointing.install_hooks()
-        multi_step.install(_spans_devices)
+        _install_keras_hooks()
 
     @property
     def spans_devices(self):
@@ -525,6 +511,30 @@ def _move_to_ps_on_row_read(keras_variable):
 def _under_hybrid_strategy():
     return tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
                                                        HybridStrategy)
+
+
+def _install_keras_hooks():
+    """What HybridStrategy changes in Keras 3, and in tf_keras when `tf.keras` is it.
+
+    Each hook acts only under a HybridStrategy: PS tables' row reads and export
+    (table.py), moving a mirrored variable read by row to a PS (`move_to_ps`), the
+    layer each weight belongs to (creation.py), clipping of the summed gradient
+    (clipping.py), id checks in Embedding layers (table.py), the even split of
+    batches (batches.py), tables in Keras weight files (checkpointing.py) and
+    several steps per call without a tf.while_loop (multi_step.py).
+    """
+    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
+
+    table_lib.install_keras_hook()
+    table_lib.on_row_read(_move_to_ps_on_row_read)
+    creation.install_layer_tags()
+    checkpointing.install_hooks()
+    multi_step.install(_spans_devices)
+    clipping.install_keras_hook(_under_hybrid_strategy)
+    batches.install_keras_hooks()
+    legacy = batches.legacy_keras()
+    for keras_module in (keras, legacy) if legacy is not None else (keras,):
+        table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)
 
 
 def _components(value):

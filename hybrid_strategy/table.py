@@ -170,6 +170,7 @@ class ShardedTable(tf.Variable):
     __ne__ = object.__ne__
 
     def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        """What tf.Variable's conversion to a tensor calls: the whole table."""
         return _to_tensor(self, dtype=dtype, name=name)
 
     def __repr__(self):
@@ -251,6 +252,7 @@ class ShardedTable(tf.Variable):
         return self._saving_variable
 
     def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        """Maps the table, and the stand-in its exported functions read, to one variable."""
         saving = self.saving_variable
         resources = saving._export_to_saved_model_graph(
             object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
@@ -265,10 +267,12 @@ class ShardedTable(tf.Variable):
         return resources
 
     def _write_object_proto(self, proto, options):
+        """Records the table in the SavedModel as an ordinary variable of its shape."""
         resource_variable_ops.write_object_proto_for_resource_variable(
             self.saving_variable, proto, options, enforce_naming=False)
 
     def _copy_trackable_to_cpu(self, object_map):
+        """Copies the whole table to this process's CPU (asynchronous checkpoints)."""
         if self not in object_map:
             with tf.device("/device:CPU:0"):
                 object_map[self] = resource_variable_ops.UninitializedVariable(
