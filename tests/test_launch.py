@@ -108,6 +108,26 @@ def test_cli_sigint_stops_chief_and_servers():
             launcher.wait()
 
 
+def test_cli_restarts_after_exit_75_but_not_after_another_failure():
+    # First run: "a task was lost" (75); second run: a failure of the program itself (3).
+    chief = (REPORT + f"restart = int(os.environ[{launch.RESTART_COUNT_ENV!r}])\n"
+             "print('restart', restart, flush=True)\nsys.exit(75 if restart == 0 else 3)")
+    command = launcher_command(chief)
+    command[command.index("--"):command.index("--")] = ["--max-restarts", "2"]
+    run = subprocess.run(command, env=ENV, cwd=REPO, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 3, run.stderr
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [line for line in run.stdout.splitlines() if line.startswith("restart")] == [
+        "restart 0", "restart 1"]
+    assert ("hybrid_strategy.launch: the chief exited with code 75 (a task was lost); "
+            "restarting the cluster and the chief (restart 1 of 2).") in run.stderr
+    assert "restart 2 of 2" not in run.stderr
+    # A fresh cluster for the second run, and no server left of either.
+    assert reports[0]["tf_config"] != reports[1]["tf_config"]
+    assert all(gone(pid) for report in reports for pid in report["servers"])
+
+
 def read_line(stream, timeout):
     ready, _, _ = select.select([stream], [], [], timeout)
     assert ready, f"no output within {timeout} s"
@@ -171,6 +191,7 @@ def test_local_cluster_must_be_started_before_use():
     (["--workers", "0", "--", "true"], "--workers must be at least 1, got 0"),
     (["--ps", "-1", "--", "true"], "--ps must be 0 or more, got -1"),
     (["--startup-timeout", "0", "--", "true"], "--startup-timeout must be a positive number"),
+    (["--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more, got -1"),
 ])
 def test_cli_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
