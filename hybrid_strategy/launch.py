@@ -17,9 +17,12 @@ is interrupted. From Python, e.g. in a test fixture:
 import argparse
 import atexit
 import ctypes
+import fcntl
 import os
 import shlex
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -41,6 +44,10 @@ _START_ATTEMPTS = 3
 # The directory holding this package, so servers import the same code as the launcher.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PR_SET_PDEATHSIG = 1
+# unshare(2) flags, and the ioctls and flag that bring a network interface up (netdevice(7)).
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_IFREQ = "16sh22x"  # struct ifreq: interface name, then ifr_flags in a 24-byte union
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -52,11 +59,15 @@ class ServerStartError(RuntimeError):
         self.exit_code = exit_code
 
 
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _load_prctl():
     """libc's prctl, resolved up front: the child after fork must not load libraries."""
     if not sys.platform.startswith("linux"):
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = _libc().prctl
     prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     return prctl
 
@@ -287,9 +298,49 @@ def _raise_signalled(signum, frame):
     raise _Signalled(signum)
 
 
+def isolate_network() -> str | None:
+    """Moves this process, and so every process it starts, into a new network namespace
+    whose only interface is loopback; returns why it could not, or None.
+
+    TensorFlow's gRPC server listens on every interface of its machine ("0.0.0.0:port")
+    whatever host TF_CONFIG names, and serves anyone who connects. In the new namespace
+    the only interface is loopback: no other machine, and no process outside, reaches the
+    cluster. Needs Linux and either root or unprivileged user namespaces; call it while
+    this process has a single thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux-only"
+    uid, gid = os.getuid(), os.getgid()
+    libc = _libc()
+    # Root may create the network namespace alone; others need their own user namespace
+    # first, in which they keep their uid and gain the right to configure it.
+    if uid != 0 or libc.unshare(_CLONE_NEWNET) != 0:
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+            return f"unshare: {os.strerror(ctypes.get_errno())}"
+        for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{path}", "w") as f:
+                f.write(text)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack(_IFREQ, b"lo", 0)
+            flags = struct.unpack(_IFREQ, fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
+    except OSError as e:
+        # Already in the new namespace: without loopback nothing would work.
+        raise RuntimeError(f"cannot bring up loopback in a new network namespace: {e}") from e
+    return None
+
+
 def main(argv=None) -> int:
     """Runs the launcher CLI; returns the exit code."""
     options, command = _parse(_parser(), sys.argv[1:] if argv is None else list(argv))
+    if options.network == "private":
+        problem = isolate_network()
+        if problem:
+            print(f"{_PREFIX} cannot keep the cluster off the network ({problem}): its "
+                  "unauthenticated servers listen on every interface of this machine.",
+                  file=sys.stderr, flush=True)
     # Handlers raise, so a signal at any point unwinds through the cleanup in _launch.
     previous = {signum: signal.signal(signum, _raise_signalled) for signum in _STOP_SIGNALS}
     try:
@@ -426,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Start worker and ps servers on this machine, run COMMAND as the chief "
                     "with TF_CONFIG set, then stop the servers. Exits with COMMAND's exit code.",
         usage="%(prog)s [--workers N] [--ps N] [--startup-timeout S] [--max-restarts N] "
-              "[--verbose] -- COMMAND ...",
+              "[--network private|host] [--verbose] -- COMMAND ...",
         epilog="example: %(prog)s --workers 2 --ps 1 -- python train.py --epochs 3",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
@@ -437,6 +488,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="after a retryable failure (the chief exits with code 75, a "
                              "task dies or is killed), start the cluster and the chief again, "
                              "up to N times (default 0)")
+    parser.add_argument("--network", choices=("private", "host"), default="private",
+                        help="private (default): run the cluster and the chief in a network "
+                             "namespace of their own, where loopback is the only interface, "
+                             "since TensorFlow's servers listen on every interface; host: "
+                             "on this machine's network, for a chief that needs it (downloads)")
     parser.add_argument("--verbose", action="store_true",
                         help="let the servers' output through and list their pids")
     return parser

@@ -128,6 +128,61 @@ def test_cli_restarts_after_exit_75_but_not_after_another_failure():
     assert all(gone(pid) for report in reports for pid in report["servers"])
 
 
+# Prints, from inside the chief's network, its interfaces and listening TCP ports, then
+# waits for a line on stdin so that the test can look from outside meanwhile.
+LISTENERS = REPORT + (
+    "import socket\n"
+    f"from tests.test_launch import listening_ports\n"
+    "print(json.dumps({'interfaces': [name for _, name in socket.if_nameindex()],\n"
+    "                  'listening': sorted(listening_ports())}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def listening_ports():
+    """{(address, port)} of the TCP sockets listening in this process's network namespace,
+    as `ss -ltn` lists them ("0.0.0.0"/"::" for every interface)."""
+    found = set()
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(path) as table:
+            for line in list(table)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state != "0A":  # LISTEN
+                    continue
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def test_cli_cluster_is_reachable_on_loopback_only():
+    launcher = subprocess.Popen(
+        launcher_command(LISTENERS), env=ENV, cwd=REPO, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        report = json.loads(read_line(launcher.stdout, timeout=120))
+        inside = json.loads(read_line(launcher.stdout, timeout=60))
+        outside = listening_ports()
+        launcher.stdin.write("done\n")
+        launcher.stdin.flush()
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, stderr
+    ports = {int(address.rsplit(":", 1)[1])
+             for addresses in report["tf_config"]["cluster"].values() for address in addresses}
+    # TensorFlow's servers listen on every interface ("*:port" in ss -ltn), but the only
+    # interface where they run is loopback, and nothing outside sees their ports.
+    assert inside["interfaces"] == ["lo"]
+    assert {port for _, port in inside["listening"]} >= ports - {
+        int(report["tf_config"]["cluster"]["chief"][0].rsplit(":", 1)[1])}
+    assert not {port for _, port in outside} & ports
+
+
 def read_line(stream, timeout):
     ready, _, _ = select.select([stream], [], [], timeout)
     assert ready, f"no output within {timeout} s"
