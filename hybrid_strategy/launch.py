@@ -6,7 +6,11 @@ Every worker and ps task runs `python -m hybrid_strategy.server`; the command af
 as the chief, with TF_CONFIG naming task chief/0 of that cluster and HYBRID_STRATEGY_SERVER_PIDS
 listing the server process ids. The launcher exits with the chief's exit code (128 + signal
 number if a signal killed it) and leaves no server behind, whether the chief succeeds, fails or
-is interrupted. From Python, e.g. in a test fixture:
+is interrupted. With `--max-restarts N` it starts a fresh cluster and runs the chief again after
+a retryable failure (exit code 75, a dead server, a chief killed by a signal), up to N times.
+All of them run in a network namespace of their own whose only interface is loopback
+(`--network host`: this machine's network), since TensorFlow's servers listen on every
+interface. From Python, e.g. in a test fixture (on the host's network):
 
     import subprocess, sys
     from hybrid_strategy.launch import LocalCluster

@@ -241,3 +241,50 @@ def test_servers_start_afresh_when_their_chief_is_gone(capfd):
         # Same processes, same ports, serving again.
         assert all(process.poll() is None for process in local.processes)
         cluster.wait_for_tasks(local.config, timeout=60)
+
+
+# Trains one epoch, waits for a line on stdin, trains again.
+PAUSED_CHIEF = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    import hybrid_strategy
+    keras = tf.keras
+    strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(1000, 8),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.random.randint(0, 1000, (256, 4)).astype("int32")
+    y = np.zeros((256, 1), "float32")
+    model.fit(x, y, batch_size=32, verbose=0)
+    print("trained", flush=True)
+    sys.stdin.readline()
+    model.fit(x, y, batch_size=32, verbose=0)
+    print("trained again", flush=True)
+""")
+
+
+def test_a_chief_stopped_longer_than_the_chief_timeout_exits_75_when_it_resumes():
+    with LocalCluster(workers=2, ps=1) as local:
+        chief = subprocess.Popen([sys.executable, "-c", PAUSED_CHIEF],
+                                 env=local.chief_environ(ENV), cwd=REPO,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            ready, _, _ = select.select([chief.stdout], [], [], 180)
+            assert ready and chief.stdout.readline() == "trained\n"
+            os.kill(chief.pid, signal.SIGSTOP)
+            time.sleep(25)  # the servers start afresh 5 s after the chief went silent
+            os.kill(chief.pid, signal.SIGCONT)
+            stdout, stderr = chief.communicate("go\n", timeout=120)
+        finally:
+            if chief.poll() is None:
+                chief.kill()
+                chief.wait()
+    assert chief.returncode == 75, stderr[-3000:]
+    assert "trained again" not in stdout
+    assert "HybridStrategy: lost " in stderr and " during training (" in stderr
+    assert "/job:ps/task:0 at " in stderr or "/job:worker/task:" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
