@@ -277,8 +277,6 @@ def _check_count(name: str, value, minimum: int) -> None:
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
-    if code == EXIT_TASK_LOST:
-        return f"exited with code {code} (a task was lost)"
     if code == server_lib.EXIT_CANNOT_SERVE:
         return (f"could not start its gRPC server (exit code {code}: its port was taken, "
                 f"{_START_ATTEMPTS} times with fresh ports, or the host is not this machine)")
@@ -411,7 +409,9 @@ def _restart_reason(code: int, exited_servers: list[str]) -> str | None:
     """
     if code == 0:
         return None
-    chief = f"the chief {_describe_exit(code)}"
+    # 75 means "a task was lost" from the chief, "cannot serve" from a server.
+    chief = (f"the chief exited with code {code} (a task was lost)" if code == EXIT_TASK_LOST
+             else f"the chief {_describe_exit(code)}")
     if exited_servers:
         return f"{', '.join(exited_servers)}; {chief}"
     if code == EXIT_TASK_LOST or (code < 0 and -code not in _STOP_SIGNALS):
