@@ -101,7 +101,7 @@ class LocalCluster:
             env = local.chief_environ()   # TF_CONFIG for chief/0, plus the server pids
             subprocess.run([sys.executable, "train.py"], env=env, check=True)
 
-    Entering starts the servers and waits until each accepts connections (at most
+    Entering starts the servers and waits until each answers as a gRPC server (at most
     `startup_timeout` seconds; a server that finds its port taken meanwhile makes it start
     again on fresh ports, up to 3 times); leaving stops them (SIGTERM, then SIGKILL after 5 s), also
     on error and at interpreter exit. `env` holds extra environment variables for the servers
@@ -109,6 +109,11 @@ class LocalCluster:
     on stderr once they serve. On Linux the servers
     are killed if this process dies; the kernel ties them to the *thread* that starts them,
     so start the cluster from a thread that outlives it (e.g. the main thread).
+
+    The servers run on this machine's network: TensorFlow listens on every interface
+    whatever `host` says (the CLI launcher runs them in a private network namespace).
+    Several chiefs may use one cluster in turn; 5 s after a chief is gone, its servers start
+    afresh (see hybrid_strategy.server), and the next chief waits for them.
     """
 
     def __init__(self, workers=2, ps=1, *, host="127.0.0.1", startup_timeout=60.0, env=None,
@@ -487,7 +492,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
     parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
-                        help="seconds to wait for every server to accept connections (default 60)")
+                        help="seconds to wait for every server to answer (default 60)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="after a retryable failure (the chief exits with code 75, a "
                              "task dies or is killed), start the cluster and the chief again, "
