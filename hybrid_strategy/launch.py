@@ -6,7 +6,11 @@ Every worker and ps task runs `python -m hybrid_strategy.server`; the command af
 as the chief, with TF_CONFIG naming task chief/0 of that cluster and HYBRID_STRATEGY_SERVER_PIDS
 listing the server process ids. The launcher exits with the chief's exit code (128 + signal
 number if a signal killed it) and leaves no server behind, whether the chief succeeds, fails or
-is interrupted. From Python, e.g. in a test fixture:
+is interrupted. With `--max-restarts N` it starts a fresh cluster and runs the chief again after
+a retryable failure (exit code 75, a dead server, a chief killed by a signal), up to N times.
+All of them run in a network namespace of their own whose only interface is loopback
+(`--network host`: this machine's network), since TensorFlow's servers listen on every
+interface. From Python, e.g. in a test fixture (on the host's network):
 
     import subprocess, sys
     from hybrid_strategy.launch import LocalCluster
@@ -17,9 +21,12 @@ is interrupted. From Python, e.g. in a test fixture:
 import argparse
 import atexit
 import ctypes
+import fcntl
 import os
 import shlex
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -41,6 +48,10 @@ _START_ATTEMPTS = 3
 # The directory holding this package, so servers import the same code as the launcher.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PR_SET_PDEATHSIG = 1
+# unshare(2) flags, and the ioctls and flag that bring a network interface up (netdevice(7)).
+_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_IFREQ = "16sh22x"  # struct ifreq: interface name, then ifr_flags in a 24-byte union
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -52,11 +63,15 @@ class ServerStartError(RuntimeError):
         self.exit_code = exit_code
 
 
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _load_prctl():
     """libc's prctl, resolved up front: the child after fork must not load libraries."""
     if not sys.platform.startswith("linux"):
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = _libc().prctl
     prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
     return prctl
 
@@ -86,7 +101,7 @@ class LocalCluster:
             env = local.chief_environ()   # TF_CONFIG for chief/0, plus the server pids
             subprocess.run([sys.executable, "train.py"], env=env, check=True)
 
-    Entering starts the servers and waits until each accepts connections (at most
+    Entering starts the servers and waits until each answers as a gRPC server (at most
     `startup_timeout` seconds; a server that finds its port taken meanwhile makes it start
     again on fresh ports, up to 3 times); leaving stops them (SIGTERM, then SIGKILL after 5 s), also
     on error and at interpreter exit. `env` holds extra environment variables for the servers
@@ -94,6 +109,11 @@ class LocalCluster:
     on stderr once they serve. On Linux the servers
     are killed if this process dies; the kernel ties them to the *thread* that starts them,
     so start the cluster from a thread that outlives it (e.g. the main thread).
+
+    The servers run on this machine's network: TensorFlow listens on every interface
+    whatever `host` says (the CLI launcher runs them in a private network namespace).
+    Several chiefs may use one cluster in turn; 5 s after a chief is gone, its servers start
+    afresh (see hybrid_strategy.server), and the next chief waits for them.
     """
 
     def __init__(self, workers=2, ps=1, *, host="127.0.0.1", startup_timeout=60.0, env=None,
@@ -262,8 +282,6 @@ def _check_count(name: str, value, minimum: int) -> None:
 def _describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
-    if code == EXIT_TASK_LOST:
-        return f"exited with code {code} (a task was lost)"
     if code == server_lib.EXIT_CANNOT_SERVE:
         return (f"could not start its gRPC server (exit code {code}: its port was taken, "
                 f"{_START_ATTEMPTS} times with fresh ports, or the host is not this machine)")
@@ -287,9 +305,49 @@ def _raise_signalled(signum, frame):
     raise _Signalled(signum)
 
 
+def isolate_network() -> str | None:
+    """Moves this process, and so every process it starts, into a new network namespace
+    whose only interface is loopback; returns why it could not, or None.
+
+    TensorFlow's gRPC server listens on every interface of its machine ("0.0.0.0:port")
+    whatever host TF_CONFIG names, and serves anyone who connects. In the new namespace
+    the only interface is loopback: no other machine, and no process outside, reaches the
+    cluster. Needs Linux and either root or unprivileged user namespaces; call it while
+    this process has a single thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux-only"
+    uid, gid = os.getuid(), os.getgid()
+    libc = _libc()
+    # Root may create the network namespace alone; others need their own user namespace
+    # first, in which they keep their uid and gain the right to configure it.
+    if uid != 0 or libc.unshare(_CLONE_NEWNET) != 0:
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+            return f"unshare: {os.strerror(ctypes.get_errno())}"
+        for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{path}", "w") as f:
+                f.write(text)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack(_IFREQ, b"lo", 0)
+            flags = struct.unpack(_IFREQ, fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
+            fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
+    except OSError as e:
+        # Already in the new namespace: without loopback nothing would work.
+        raise RuntimeError(f"cannot bring up loopback in a new network namespace: {e}") from e
+    return None
+
+
 def main(argv=None) -> int:
     """Runs the launcher CLI; returns the exit code."""
     options, command = _parse(_parser(), sys.argv[1:] if argv is None else list(argv))
+    if options.network == "private":
+        problem = isolate_network()
+        if problem:
+            print(f"{_PREFIX} cannot keep the cluster off the network ({problem}): its "
+                  "unauthenticated servers listen on every interface of this machine.",
+                  file=sys.stderr, flush=True)
     # Handlers raise, so a signal at any point unwinds through the cleanup in _launch.
     previous = {signum: signal.signal(signum, _raise_signalled) for signum in _STOP_SIGNALS}
     try:
@@ -356,7 +414,9 @@ def _restart_reason(code: int, exited_servers: list[str]) -> str | None:
     """
     if code == 0:
         return None
-    chief = f"the chief {_describe_exit(code)}"
+    # 75 means "a task was lost" from the chief, "cannot serve" from a server.
+    chief = (f"the chief exited with code {code} (a task was lost)" if code == EXIT_TASK_LOST
+             else f"the chief {_describe_exit(code)}")
     if exited_servers:
         return f"{', '.join(exited_servers)}; {chief}"
     if code == EXIT_TASK_LOST or (code < 0 and -code not in _STOP_SIGNALS):
@@ -426,17 +486,22 @@ def _parser() -> argparse.ArgumentParser:
         description="Start worker and ps servers on this machine, run COMMAND as the chief "
                     "with TF_CONFIG set, then stop the servers. Exits with COMMAND's exit code.",
         usage="%(prog)s [--workers N] [--ps N] [--startup-timeout S] [--max-restarts N] "
-              "[--verbose] -- COMMAND ...",
+              "[--network private|host] [--verbose] -- COMMAND ...",
         epilog="example: %(prog)s --workers 2 --ps 1 -- python train.py --epochs 3",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
     parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
-                        help="seconds to wait for every server to accept connections (default 60)")
+                        help="seconds to wait for every server to answer (default 60)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="after a retryable failure (the chief exits with code 75, a "
                              "task dies or is killed), start the cluster and the chief again, "
                              "up to N times (default 0)")
+    parser.add_argument("--network", choices=("private", "host"), default="private",
+                        help="private (default): run the cluster and the chief in a network "
+                             "namespace of their own, where loopback is the only interface, "
+                             "since TensorFlow's servers listen on every interface; host: "
+                             "on this machine's network, for a chief that needs it (downloads)")
     parser.add_argument("--verbose", action="store_true",
                         help="let the servers' output through and list their pids")
     return parser

@@ -663,9 +663,15 @@ def _exit_if_task_lost(config, error):
         return
     lost = cluster_lib.lost_tasks(config, _PROBE_TIMEOUT)
     if not lost:
-        lost = [(task, "named in the error; it answers again, so it restarted or the "
-                       "network dropped the connection")
-                for task in cluster_lib.tasks_named_in(config, text) if task[0] != _CHIEF_JOB]
+        named = [task for task in cluster_lib.tasks_named_in(config, text)
+                 if task[0] != _CHIEF_JOB]
+        why = ("named in the error; it answers again, so it restarted or the network "
+               "dropped the connection")
+        if not named and "context_id" in text:
+            # The error does not say which server has forgotten this program.
+            named = [task for task in config.tasks() if task[0] != _CHIEF_JOB]
+            why = "it answers, but it or another of these restarted and forgot this program"
+        lost = [(task, why) for task in named]
     if lost:
         _exit_on_lost_task(
             f"lost {len(lost)} task(s) during training ({type(error).__name__}):\n"

@@ -108,6 +108,81 @@ def test_cli_sigint_stops_chief_and_servers():
             launcher.wait()
 
 
+def test_cli_restarts_after_exit_75_but_not_after_another_failure():
+    # First run: "a task was lost" (75); second run: a failure of the program itself (3).
+    chief = (REPORT + f"restart = int(os.environ[{launch.RESTART_COUNT_ENV!r}])\n"
+             "print('restart', restart, flush=True)\nsys.exit(75 if restart == 0 else 3)")
+    command = launcher_command(chief)
+    command[command.index("--"):command.index("--")] = ["--max-restarts", "2"]
+    run = subprocess.run(command, env=ENV, cwd=REPO, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 3, run.stderr
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [line for line in run.stdout.splitlines() if line.startswith("restart")] == [
+        "restart 0", "restart 1"]
+    assert ("hybrid_strategy.launch: the chief exited with code 75 (a task was lost); "
+            "restarting the cluster and the chief (restart 1 of 2).") in run.stderr
+    assert "restart 2 of 2" not in run.stderr
+    # A fresh cluster for the second run, and no server left of either.
+    assert reports[0]["tf_config"] != reports[1]["tf_config"]
+    assert all(gone(pid) for report in reports for pid in report["servers"])
+
+
+# Prints, from inside the chief's network, its interfaces and listening TCP ports, then
+# waits for a line on stdin so that the test can look from outside meanwhile.
+LISTENERS = REPORT + (
+    "import socket\n"
+    f"from tests.test_launch import listening_ports\n"
+    "print(json.dumps({'interfaces': [name for _, name in socket.if_nameindex()],\n"
+    "                  'listening': sorted(listening_ports())}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def listening_ports():
+    """{(address, port)} of the TCP sockets listening in this process's network namespace,
+    as `ss -ltn` lists them ("0.0.0.0"/"::" for every interface)."""
+    found = set()
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(path) as table:
+            for line in list(table)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state != "0A":  # LISTEN
+                    continue
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def test_cli_cluster_is_reachable_on_loopback_only():
+    launcher = subprocess.Popen(
+        launcher_command(LISTENERS), env=ENV, cwd=REPO, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        report = json.loads(read_line(launcher.stdout, timeout=120))
+        inside = json.loads(read_line(launcher.stdout, timeout=60))
+        outside = listening_ports()
+        launcher.stdin.write("done\n")
+        launcher.stdin.flush()
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, stderr
+    ports = {int(address.rsplit(":", 1)[1])
+             for addresses in report["tf_config"]["cluster"].values() for address in addresses}
+    # TensorFlow's servers listen on every interface ("*:port" in ss -ltn), but the only
+    # interface where they run is loopback, and nothing outside sees their ports.
+    assert inside["interfaces"] == ["lo"]
+    assert {port for _, port in inside["listening"]} >= ports - {
+        int(report["tf_config"]["cluster"]["chief"][0].rsplit(":", 1)[1])}
+    assert not {port for _, port in outside} & ports
+
+
 def read_line(stream, timeout):
     ready, _, _ = select.select([stream], [], [], timeout)
     assert ready, f"no output within {timeout} s"
@@ -171,6 +246,7 @@ def test_local_cluster_must_be_started_before_use():
     (["--workers", "0", "--", "true"], "--workers must be at least 1, got 0"),
     (["--ps", "-1", "--", "true"], "--ps must be 0 or more, got -1"),
     (["--startup-timeout", "0", "--", "true"], "--startup-timeout must be a positive number"),
+    (["--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more, got -1"),
 ])
 def test_cli_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent import futures
 
+import numpy as np
 import pytest
 
 import hybrid_strategy
@@ -88,3 +90,201 @@ def test_a_silent_listener_fails_start_up_within_connect_timeout(monkeypatch):
     assert f"/job:worker/task:0 at {address} (it accepted the connection but sent no " \
            "HTTP/2 answer" in message
     assert "/job:ps/task:0 at 127.0.0.1:" in message
+
+
+# Trains 4 epochs with BackupAndRestore and saves every weight, slot and counter. On its
+# first run it kills, in epoch 2, server number `victim` of HYBRID_STRATEGY_SERVER_PIDS or,
+# with "chief", itself; -1 kills nothing.
+RESTARTING_CHIEF = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import tensorflow as tf
+    import hybrid_strategy
+    keras = tf.keras
+    backup_dir, out, victim = sys.argv[1:4]
+    first_run = os.environ.get("HYBRID_STRATEGY_RESTART_COUNT", "0") == "0"
+    strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(1000, 8),
+                                  keras.layers.Flatten(),
+                                  keras.layers.Dense(4, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, 1000, (256, 4)).astype("int32")
+    y = rng.normal(size=(256, 1)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    epochs = []
+
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs.append(epoch)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if first_run and victim != "-1" and epochs[-1] == 2 and batch == 3:
+                pids = os.environ["HYBRID_STRATEGY_SERVER_PIDS"].split(",")
+                os.kill(os.getpid() if victim == "chief" else int(pids[int(victim)]),
+                        signal.SIGKILL)
+
+    model.fit(data, epochs=4, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(backup_dir, save_freq="epoch"), Kill()])
+    state = {f"weight {i}": w for i, w in enumerate(model.get_weights())}
+    state.update({f"optimizer {v.path}": v.numpy() for v in model.optimizer.variables})
+    np.savez(out, epochs_run=np.array(epochs), **state)
+""")
+
+
+def restarting_launcher(tmp_path, victim, max_restarts):
+    out = tmp_path / "state.npz"
+    run = subprocess.run(
+        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
+         "--max-restarts", str(max_restarts), "--", sys.executable, "-c", RESTARTING_CHIEF,
+         str(tmp_path / "backup"), str(out), str(victim)],
+        env=ENV, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=600)
+    return run, out
+
+
+def load(path):
+    with np.load(path) as state:
+        return {name: state[name] for name in state.files}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run, out = restarting_launcher(tmp_path_factory.mktemp("uninterrupted"), -1, 0)
+    assert run.returncode == 0, run.stderr[-3000:]
+    state = load(out)
+    assert list(state.pop("epochs_run")) == [0, 1, 2, 3]
+    return state
+
+
+def assert_same_state(state, expected):
+    assert sorted(state) == sorted(expected)
+    assert any(name.startswith("optimizer adam/") and "velocity" in name for name in state)
+    assert state["optimizer adam/iteration"] == 32  # 4 epochs of 8 steps
+    for name, value in expected.items():
+        assert state[name].dtype == value.dtype and np.array_equal(state[name], value), name
+
+
+@pytest.mark.parametrize("victim, task", [(1, "/job:worker/task:1"), (2, "/job:ps/task:0")],
+                         ids=["worker", "ps"])
+def test_launcher_restarts_after_a_killed_task_and_resumes_from_the_backup(
+        tmp_path, uninterrupted, victim, task):
+    run, out = restarting_launcher(tmp_path, victim, max_restarts=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (f"hybrid_strategy.launch: server {task} (pid " in run.stderr
+            and "was killed by SIGKILL; the chief exited with code 75 (a task was lost); "
+                "restarting the cluster and the chief (restart 1 of 2)." in run.stderr), \
+        run.stderr[-3000:]
+    assert "restart 2 of 2" not in run.stderr
+    state = load(out)
+    # The second run started from the backup of epoch 1, not from scratch.
+    assert list(state.pop("epochs_run")) == [2, 3]
+    assert_same_state(state, uninterrupted)
+
+
+def ps_rss_mb(local):
+    with open(f"/proc/{local.pids[-1]}/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS"))
+
+
+def test_a_chief_restarted_against_the_same_servers_resumes_without_stale_state(
+        tmp_path, uninterrupted):
+    """A chief killed and restarted at once (Kubernetes restarts only the chief's pod):
+    the servers it finds hold nothing of its predecessor."""
+    out = tmp_path / "state.npz"
+    command = [sys.executable, "-c", RESTARTING_CHIEF, str(tmp_path / "backup"), str(out),
+               "chief"]
+    with LocalCluster(workers=2, ps=1) as local:
+        first = subprocess.run(command, env=local.chief_environ(ENV), cwd=REPO,
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=300)
+        assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+        rss_after_kill = ps_rss_mb(local)
+        second = subprocess.run(command, env=dict(local.chief_environ(ENV),
+                                                  HYBRID_STRATEGY_RESTART_COUNT="1"),
+                                cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
+                                text=True, timeout=300)
+        assert second.returncode == 0, second.stderr[-3000:]
+        print(f"ps RSS: {rss_after_kill} MB after the kill, {ps_rss_mb(local)} MB after "
+              "the restarted chief trained")
+        assert all(process.poll() is None for process in local.processes)
+    state = load(out)
+    assert list(state.pop("epochs_run")) == [2, 3]
+    assert_same_state(state, uninterrupted)
+
+
+def test_servers_start_afresh_when_their_chief_is_gone(capfd):
+    grpc = pytest.importorskip("grpc")
+    with LocalCluster(workers=1, ps=1, quiet=False) as local:
+        chief_address = local.config.address("chief", 0)
+        # Any gRPC server answers the servers' probes as a chief's would.
+        chief = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        chief.add_insecure_port(chief_address)
+        chief.start()
+        time.sleep(3)  # the servers see the chief answer
+        capfd.readouterr()
+        chief.stop(None)
+        output = ""
+        deadline = time.monotonic() + 120
+        while output.count("serving on") < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            output += capfd.readouterr().err
+        for job in ("worker", "ps"):
+            assert (f"hybrid_strategy.server: /job:{job}/task:0: the chief at {chief_address} "
+                    "has not answered for 5 s (connection refused); starting afresh to drop "
+                    "its variables.") in output
+            assert f"/job:{job}/task:0 serving on {local.config.address(job, 0)}" in output
+        # Same processes, same ports, serving again.
+        assert all(process.poll() is None for process in local.processes)
+        cluster.wait_for_tasks(local.config, timeout=60)
+
+
+# Trains one epoch, waits for a line on stdin, trains again.
+PAUSED_CHIEF = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    import hybrid_strategy
+    keras = tf.keras
+    strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(1000, 8),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.random.randint(0, 1000, (256, 4)).astype("int32")
+    y = np.zeros((256, 1), "float32")
+    model.fit(x, y, batch_size=32, verbose=0)
+    print("trained", flush=True)
+    sys.stdin.readline()
+    model.fit(x, y, batch_size=32, verbose=0)
+    print("trained again", flush=True)
+""")
+
+
+def test_a_chief_stopped_longer_than_the_chief_timeout_exits_75_when_it_resumes():
+    with LocalCluster(workers=2, ps=1) as local:
+        chief = subprocess.Popen([sys.executable, "-c", PAUSED_CHIEF],
+                                 env=local.chief_environ(ENV), cwd=REPO,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            ready, _, _ = select.select([chief.stdout], [], [], 180)
+            assert ready and chief.stdout.readline() == "trained\n"
+            os.kill(chief.pid, signal.SIGSTOP)
+            time.sleep(25)  # the servers start afresh 5 s after the chief went silent
+            os.kill(chief.pid, signal.SIGCONT)
+            stdout, stderr = chief.communicate("go\n", timeout=120)
+        finally:
+            if chief.poll() is None:
+                chief.kill()
+                chief.wait()
+    assert chief.returncode == 75, stderr[-3000:]
+    assert "trained again" not in stdout
+    assert "HybridStrategy: lost " in stderr and " during training (" in stderr
+    assert "/job:ps/task:0 at " in stderr or "/job:worker/task:" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
