@@ -268,6 +268,33 @@ def test_restore_without_a_strategy(reports):
     _assert_equal_to_saved(restored, keys, shards=None)
 
 
+@pytest.mark.parametrize("rows, saved, restored", [(7, 3, 2), (10, 2, 3), (5, 1, 4),
+                                                    (9, 4, 1), (3, 2, 3)])
+def test_row_blocks_restore_into_any_sharding_and_a_plain_variable(tmp_path, rows, saved,
+                                                                   restored):
+    import tensorflow as tf
+    from hybrid_strategy import checkpointing, table as table_lib
+
+    checkpointing.install_hooks()
+    whole = np.arange(rows * 2, dtype="float32").reshape(rows, 2)
+
+    def dealt(values, shards):
+        return table_lib.ShardedTable([tf.Variable(values[k::shards]) for k in range(shards)],
+                                      "t/embeddings")
+
+    path = tf.train.Checkpoint(t=dealt(whole, saved)).write(str(tmp_path / "ckpt"))
+    target = dealt(np.zeros_like(whole), restored)
+    tf.train.Checkpoint(t=target).read(path).assert_consumed()
+    np.testing.assert_array_equal(target.numpy(), whole)
+    plain = tf.Variable(np.zeros_like(whole))
+    tf.train.Checkpoint(t=plain).read(path).assert_consumed()
+    np.testing.assert_array_equal(plain.numpy(), whole)
+    # A plain variable's checkpoint restores into a table.
+    path = tf.train.Checkpoint(t=tf.Variable(whole + 1)).write(str(tmp_path / "plain"))
+    tf.train.Checkpoint(t=target).read(path).assert_consumed()
+    np.testing.assert_array_equal(target.numpy(), whole + 1)
+
+
 @pytest.mark.parametrize("case, says", [
     ("unwritable", "cannot write the checkpoint directory"),
     ("not_shared", "on storage the chief does not see"),
