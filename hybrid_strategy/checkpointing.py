@@ -124,13 +124,18 @@ def write_rows(table, start, values):
         offset, local, count = _rows_in_range(start, stop, k, num_shards)
         if count == 0:
             continue
-        with tf.device(values.device) if values.device else contextlib.nullcontext():
+        with _on(values):
             part = values[offset:offset + (count - 1) * num_shards + 1:num_shards]
         with tf.device(shard.device):
             assignments.append(tf.raw_ops.ResourceStridedSliceAssign(
                 ref=shard.handle, begin=[local], end=[local + count], strides=[1],
                 value=part))
     return assignments
+
+
+def _on(tensor):
+    """A device scope on `tensor`'s device: a block is cut up where it is, not moved whole."""
+    return tf.device(tensor.device) if tensor.device else contextlib.nullcontext()
 
 
 # tf.train.Checkpoint --------------------------------------------------------------
@@ -177,7 +182,8 @@ def restore(table, restored_tensors):
     assignments = []
     for spec, block in restored.items():
         start, stop = ranges[spec]
-        block = tf.ensure_shape(block, [stop - start] + table.shape.as_list()[1:])
+        with _on(block):
+            block = tf.ensure_shape(block, [stop - start] + table.shape.as_list()[1:])
         assignments += write_rows(table, start, block)
     return tf.group(assignments) if not tf.executing_eagerly() else None
 
