@@ -10,7 +10,9 @@ report (one cluster run does every case):
 - `restore` on 1 worker + 3 ps, and on one machine (HybridStrategy without
   TF_CONFIG), which then saves again;
 - `plain`: a Keras model without any strategy restores both the 2-ps and the
-  one-machine saves (for export).
+  one-machine saves (for export);
+- under tf_keras (TF_USE_LEGACY_KERAS=1), `save` on 2 ps and `restore` on 3 ps with
+  tf.train.Checkpoint.
 Restored weights, optimizer slots and iterations must equal the saved ones exactly.
 """
 
@@ -30,6 +32,16 @@ VOCAB, SMALL_VOCAB, DIM, SEQ, BATCH, EPOCHS = 1001, 37, 8, 3, 32, 2
 MIN_SHARD_BYTES = 1024
 _CHIEF_ONLY_FD = 987
 FORMATS = ("manager", "write", "weights_h5", "keras", "backup")
+# tf_keras writes its own h5 files (not streamed; see README's limits).
+TF_KERAS_FORMATS = ("manager", "write")
+
+
+def _tf_keras():
+    return os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+
+def _formats():
+    return TF_KERAS_FORMATS if _tf_keras() else FORMATS
 
 
 # The chief programs ---------------------------------------------------------------
@@ -53,14 +65,19 @@ def _data():
     return ids, np.sin(ids.sum(axis=1, keepdims=True) / 300.0).astype("float32")
 
 
+def _optimizer_variables(model):
+    variables = model.optimizer.variables
+    return list(variables() if callable(variables) else variables)  # tf_keras: a method
+
+
 def _state(model):
     return ([np.asarray(w) for w in model.get_weights()]
-            + [np.asarray(v.numpy()) for v in model.optimizer.variables])
+            + [np.asarray(v.numpy()) for v in _optimizer_variables(model)])
 
 
 def _zero(model):
-    for v in list(model.weights) + list(model.optimizer.variables):
-        v.assign(np.zeros(v.shape, v.dtype))
+    for v in list(model.weights) + _optimizer_variables(model):
+        v.assign(np.zeros(v.shape, getattr(v.dtype, "as_numpy_dtype", v.dtype)))
 
 
 def _compare(model, reference):
@@ -74,8 +91,8 @@ def _compare(model, reference):
 
 
 def _shards(model):
-    value = getattr(model.get_layer("big").embeddings, "_value", None)
-    return getattr(value, "num_shards", None)
+    embeddings = model.get_layer("big").embeddings
+    return getattr(getattr(embeddings, "_value", embeddings), "num_shards", None)
 
 
 def _paths(directory):
@@ -91,8 +108,9 @@ def _save_all(tf, keras, model, directory):
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     tf.train.CheckpointManager(checkpoint, paths["manager"], max_to_keep=1).save()
     checkpoint.write(paths["write"])
-    model.save_weights(paths["weights_h5"])
-    model.save(paths["keras"])
+    if not _tf_keras():
+        model.save_weights(paths["weights_h5"])
+        model.save(paths["keras"])
 
 
 def _restore(tf, keras, fmt, directory, make_model, scope):
@@ -122,7 +140,7 @@ def _restore_all(tf, keras, directories, make_model, scope):
     out = {}
     for name, directory in directories.items():
         reference = list(np.load(os.path.join(directory, "reference.npz")).values())
-        for fmt in FORMATS:
+        for fmt in _formats():
             if fmt == "backup" and not os.path.isdir(_paths(directory)["backup"]):
                 continue
             model = _restore(tf, keras, fmt, directory, make_model, scope)
@@ -151,8 +169,8 @@ def _storage_errors(tf, model, directory):
 
 def main(argv):
     import tensorflow as tf
-    import keras
 
+    keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
     phase, directory = argv[0], argv[1]
     make_model = lambda: _build(keras)  # noqa: E731
     if phase == "plain":
@@ -171,8 +189,9 @@ def main(argv):
         with scope():
             model = make_model()
         ids, y = _data()
-        model.fit(ids, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[
-            keras.callbacks.BackupAndRestore(_paths(target)["backup"], delete_checkpoint=False)])
+        backup = [] if _tf_keras() else [keras.callbacks.BackupAndRestore(
+            _paths(target)["backup"], delete_checkpoint=False)]
+        model.fit(ids, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=backup)
         os.makedirs(target, exist_ok=True)
         np.savez(os.path.join(target, "reference.npz"), *_state(model))
         _save_all(tf, keras, model, target)
@@ -182,7 +201,8 @@ def main(argv):
             os.path.getsize(os.path.join(written, f)) for f in os.listdir(written)
             if ".data-" in f)
         report["restored"] = _restore_all(tf, keras, {"two_ps": target}, make_model, scope)
-        report["storage"] = _storage_errors(tf, model, directory)
+        if not _tf_keras():
+            report["storage"] = _storage_errors(tf, model, directory)
     elif phase == "restore":
         report["restored"] = _restore_all(
             tf, keras, {"two_ps": os.path.join(directory, "two_ps")}, make_model, scope)
@@ -200,18 +220,20 @@ def main(argv):
 # The tests ---------------------------------------------------------------------------
 
 
-def _phase(phase, directory, ps=None):
+def _phase(phase, directory, ps=None, tf_keras=False):
     command = [os.path.abspath(__file__), phase, directory]
     if ps is not None:
         command = ["-m", "hybrid_strategy.launch", "--workers", "1", "--ps", str(ps), "--",
                    sys.executable] + command
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="0",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_USE_LEGACY_KERAS="1" if tf_keras else "0",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("TF_CONFIG", None)
     run = subprocess.run([sys.executable] + command, env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)
     if run.returncode != 0:
-        pytest.fail(f"checkpoint phase {phase} (ps={ps}) exited {run.returncode}:\n"
+        pytest.fail(f"checkpoint phase {phase} (ps={ps}, tf_keras={tf_keras}) exited "
+                    f"{run.returncode}:\n"
                     f"{run.stderr[-6000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -223,6 +245,13 @@ def reports(tmp_path_factory):
             "three_ps": _phase("restore", directory, ps=3),
             "one_machine": _phase("restore", directory),
             "plain": _phase("plain", directory)}
+
+
+@pytest.fixture(scope="module")
+def tf_keras_reports(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tf_keras_checkpoints"))
+    return {"save": _phase("save", directory, ps=2, tf_keras=True),
+            "three_ps": _phase("restore", directory, ps=3, tf_keras=True)}
 
 
 def _assert_equal_to_saved(restored, keys, shards):
@@ -266,6 +295,12 @@ def test_restore_without_a_strategy(reports):
     keys = [f"two_ps/{f}" for f in FORMATS] + [f"one_machine/{f}" for f in FORMATS
                                                if f != "backup"]
     _assert_equal_to_saved(restored, keys, shards=None)
+
+
+def test_tf_keras_round_trip_and_reshard(tf_keras_reports):
+    keys = [f"two_ps/{f}" for f in TF_KERAS_FORMATS]
+    _assert_equal_to_saved(tf_keras_reports["save"]["restored"], keys, shards=2)
+    _assert_equal_to_saved(tf_keras_reports["three_ps"]["restored"], keys, shards=3)
 
 
 @pytest.mark.parametrize("rows, saved, restored", [(7, 3, 2), (10, 2, 3), (5, 1, 4),
