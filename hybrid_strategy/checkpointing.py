@@ -326,6 +326,18 @@ def read_h5(dataset, table):
     with tf.device("/device:CPU:0"):
         for start in range(0, table.shape[0], step):
             write_rows(table, start, dataset[start:min(start + step, table.shape[0])])
+            _wait_for(table)
+
+
+def _wait_for(table):
+    """Returns once every write sent to `table`'s shards so far has run.
+
+    Remote eager ops run asynchronously, in order on each task: without waiting, the
+    chief would read blocks faster than they are sent and hold them all meanwhile.
+    """
+    for shard in table.shards:
+        with tf.device(shard.device):
+            tf.raw_ops.VarIsInitializedOp(resource=shard.handle).numpy()
 
 
 class StoredRows:
