@@ -149,7 +149,8 @@ def _restore_all(tf, keras, directories, make_model, scope):
 
 
 def _storage_errors(tf, model, directory):
-    """Saves to paths the chief can use but a ps task cannot write, or does not share."""
+    """Saves to paths the chief can use but a ps task cannot write, or does not share,
+    and restores from a path only the chief sees."""
     # /proc/self/fd/N is this process's open directory; in a ps task it is nothing.
     own = os.path.join(directory, "chief_only")
     os.makedirs(own)
@@ -159,12 +160,21 @@ def _storage_errors(tf, model, directory):
     # ram:// is each process's own memory: a ps task's files there are not the chief's.
     for name, path in (("unwritable", f"/proc/self/fd/{_CHIEF_ONLY_FD}/ckpt"),
                        ("not_shared", "ram://hybrid_checkpoint_test/ckpt")):
-        try:
-            checkpoint.write(path)
-            out[name] = {"error": None}
-        except Exception as error:  # pylint: disable=broad-except
-            out[name] = {"type": type(error).__name__, "error": str(error)}
+        out[name] = _error_of(lambda: checkpoint.write(path))
+    saved = checkpoint.write(os.path.join(directory, "readable", "ckpt"))
+    for f in tf.io.gfile.glob(saved + "*"):
+        tf.io.gfile.copy(f, "ram://hybrid_checkpoint_read/" + os.path.basename(f))
+    out["not_shared_read"] = _error_of(
+        lambda: checkpoint.read("ram://hybrid_checkpoint_read/ckpt"))
     return out
+
+
+def _error_of(operation):
+    try:
+        operation()
+    except Exception as error:  # pylint: disable=broad-except
+        return {"type": type(error).__name__, "error": str(error)}
+    return {"error": None}
 
 
 def main(argv):
@@ -333,10 +343,11 @@ def test_row_blocks_restore_into_any_sharding_and_a_plain_variable(tmp_path, row
 @pytest.mark.parametrize("case, says", [
     ("unwritable", "cannot write the checkpoint directory"),
     ("not_shared", "on storage the chief does not see"),
+    ("not_shared_read", "it finds no ram://hybrid_checkpoint_read/ckpt.index"),
 ])
 def test_a_path_a_task_cannot_use_is_a_clear_error(reports, case, says):
     error = reports["save"]["storage"][case]
-    assert error["error"] is not None, f"saving to the {case} path did not fail"
+    assert error["error"] is not None, f"using the {case} path did not fail"
     assert error["type"] == "CheckpointStorageError"
     assert says in error["error"]
     assert "/job:ps/replica:0/task:0" in error["error"]
