@@ -29,6 +29,7 @@ print(checkpointing.read_rows(t, 2, 5))             # rows 2, 3, 4
 """
 
 import contextlib
+import functools
 import os
 import time
 
@@ -65,14 +66,12 @@ def row_blocks(num_rows, num_blocks):
 
 
 def _rows_in_range(start, stop, k, num_shards):
-    """Shard k's rows within table rows [start, stop).
+    """Shard k's rows within table rows [start, stop) (int64 tensors).
 
     Returns (offset of the first one from `start`, its row within the shard, count).
     """
-    first = start + (k - start) % num_shards
-    if first >= stop:
-        return 0, 0, 0
-    return first - start, first // num_shards, (stop - 1 - first) // num_shards + 1
+    first = start + tf.math.floormod(k - start, num_shards)
+    return first - start, first // num_shards, tf.maximum((stop - 1 - first) // num_shards + 1, 0)
 
 
 def _table_of(value):
@@ -91,20 +90,18 @@ def _table_of(value):
 def read_rows(table, start, stop):
     """Table rows [start, stop) in row order; each shard's part is sliced on its own ps.
 
-    The parts are interleaved where the caller's device scope puts the result.
+    `start` and `stop` may be tensors (one traced function serves every block). The
+    parts are interleaved where the caller's device scope puts the result.
     """
     num_shards = table.num_shards
+    start, stop = tf.cast(start, tf.int64), tf.cast(stop, tf.int64)
     parts, positions = [], []
     for k, shard in enumerate(table.shards):
         offset, local, count = _rows_in_range(start, stop, k, num_shards)
-        if count == 0:
-            continue
         with tf.device(shard.device):
             value = tf.raw_ops.ReadVariableOp(resource=shard.handle, dtype=table.dtype)
             parts.append(value[local:local + count])
-        positions.append(tf.range(offset, offset + (count - 1) * num_shards + 1, num_shards))
-    if len(parts) == 1:
-        return tf.identity(parts[0])
+        positions.append(tf.cast(offset + num_shards * tf.range(count), tf.int32))
     return tf.dynamic_stitch(positions, parts)
 
 
@@ -115,22 +112,26 @@ def write_rows(table, start, values):
     own ps. Returns the assignments (None each, eagerly).
     """
     values = tf.convert_to_tensor(values, dtype=table.dtype)
-    stop = start + int(values.shape[0]) if values.shape.rank else None
-    if stop is None:
+    if values.shape.rank is None or values.shape[0] is None:
         raise ValueError(f"rows written into table {table.path} need a known row count.")
+    start = tf.constant(start, tf.int64)
     num_shards = table.num_shards
     assignments = []
     for k, shard in enumerate(table.shards):
-        offset, local, count = _rows_in_range(start, stop, k, num_shards)
-        if count == 0:
-            continue
-        with tf.device(values.device) if values.device else contextlib.nullcontext():
-            part = values[offset:offset + (count - 1) * num_shards + 1:num_shards]
+        offset, local, count = _rows_in_range(start, start + int(values.shape[0]), k,
+                                              num_shards)
+        with _on(values):
+            part = values[offset:offset + count * num_shards:num_shards]
         with tf.device(shard.device):
             assignments.append(tf.raw_ops.ResourceStridedSliceAssign(
                 ref=shard.handle, begin=[local], end=[local + count], strides=[1],
                 value=part))
     return assignments
+
+
+def _on(tensor):
+    """A device scope on `tensor`'s device: a block is cut up where it is, not moved whole."""
+    return tf.device(tensor.device) if tensor.device else contextlib.nullcontext()
 
 
 # tf.train.Checkpoint --------------------------------------------------------------
@@ -177,7 +178,8 @@ def restore(table, restored_tensors):
     assignments = []
     for spec, block in restored.items():
         start, stop = ranges[spec]
-        block = tf.ensure_shape(block, [stop - start] + table.shape.as_list()[1:])
+        with _on(block):
+            block = tf.ensure_shape(block, [stop - start] + table.shape.as_list()[1:])
         assignments += write_rows(table, start, block)
     return tf.group(assignments) if not tf.executing_eagerly() else None
 
@@ -304,10 +306,18 @@ def write_h5(group, key, table):
     dataset = group.create_dataset(key, shape=table.shape.as_list(),
                                    dtype=table.dtype.as_numpy_dtype)
     step = block_rows(table)
+    read = _block_reader(table)
     with tf.device("/device:CPU:0"):
         for start in range(0, table.shape[0], step):
             stop = min(start + step, table.shape[0])
-            dataset[start:stop] = read_rows(table, start, stop).numpy()
+            dataset[start:stop] = read(tf.constant(start, tf.int64),
+                                       tf.constant(stop, tf.int64)).numpy()
+
+
+def _block_reader(table):
+    """`read_rows` as one tf.function: a block costs one call to the cluster, not one per op."""
+    return tf.function(functools.partial(read_rows, table), autograph=False,
+                       input_signature=[tf.TensorSpec([], tf.int64)] * 2)
 
 
 def read_h5(dataset, table):
@@ -320,6 +330,18 @@ def read_h5(dataset, table):
     with tf.device("/device:CPU:0"):
         for start in range(0, table.shape[0], step):
             write_rows(table, start, dataset[start:min(start + step, table.shape[0])])
+            _wait_for(table)
+
+
+def _wait_for(table):
+    """Returns once every write sent to `table`'s shards so far has run.
+
+    Remote eager ops run asynchronously, in order on each task: without waiting, the
+    chief would read blocks faster than they are sent and hold them all meanwhile.
+    """
+    for shard in table.shards:
+        with tf.device(shard.device):
+            tf.raw_ops.VarIsInitializedOp(resource=shard.handle).numpy()
 
 
 class StoredRows:

@@ -10,7 +10,9 @@ report (one cluster run does every case):
 - `restore` on 1 worker + 3 ps, and on one machine (HybridStrategy without
   TF_CONFIG), which then saves again;
 - `plain`: a Keras model without any strategy restores both the 2-ps and the
-  one-machine saves (for export).
+  one-machine saves (for export);
+- under tf_keras (TF_USE_LEGACY_KERAS=1), `save` on 2 ps and `restore` on 3 ps with
+  tf.train.Checkpoint.
 Restored weights, optimizer slots and iterations must equal the saved ones exactly.
 """
 
@@ -30,6 +32,16 @@ VOCAB, SMALL_VOCAB, DIM, SEQ, BATCH, EPOCHS = 1001, 37, 8, 3, 32, 2
 MIN_SHARD_BYTES = 1024
 _CHIEF_ONLY_FD = 987
 FORMATS = ("manager", "write", "weights_h5", "keras", "backup")
+# tf_keras writes its own h5 files (not streamed; see README's limits).
+TF_KERAS_FORMATS = ("manager", "write")
+
+
+def _tf_keras():
+    return os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+
+def _formats():
+    return TF_KERAS_FORMATS if _tf_keras() else FORMATS
 
 
 # The chief programs ---------------------------------------------------------------
@@ -53,14 +65,19 @@ def _data():
     return ids, np.sin(ids.sum(axis=1, keepdims=True) / 300.0).astype("float32")
 
 
+def _optimizer_variables(model):
+    variables = model.optimizer.variables
+    return list(variables() if callable(variables) else variables)  # tf_keras: a method
+
+
 def _state(model):
     return ([np.asarray(w) for w in model.get_weights()]
-            + [np.asarray(v.numpy()) for v in model.optimizer.variables])
+            + [np.asarray(v.numpy()) for v in _optimizer_variables(model)])
 
 
 def _zero(model):
-    for v in list(model.weights) + list(model.optimizer.variables):
-        v.assign(np.zeros(v.shape, v.dtype))
+    for v in list(model.weights) + _optimizer_variables(model):
+        v.assign(np.zeros(v.shape, getattr(v.dtype, "as_numpy_dtype", v.dtype)))
 
 
 def _compare(model, reference):
@@ -74,8 +91,8 @@ def _compare(model, reference):
 
 
 def _shards(model):
-    value = getattr(model.get_layer("big").embeddings, "_value", None)
-    return getattr(value, "num_shards", None)
+    embeddings = model.get_layer("big").embeddings
+    return getattr(getattr(embeddings, "_value", embeddings), "num_shards", None)
 
 
 def _paths(directory):
@@ -91,8 +108,9 @@ def _save_all(tf, keras, model, directory):
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     tf.train.CheckpointManager(checkpoint, paths["manager"], max_to_keep=1).save()
     checkpoint.write(paths["write"])
-    model.save_weights(paths["weights_h5"])
-    model.save(paths["keras"])
+    if not _tf_keras():
+        model.save_weights(paths["weights_h5"])
+        model.save(paths["keras"])
 
 
 def _restore(tf, keras, fmt, directory, make_model, scope):
@@ -122,7 +140,7 @@ def _restore_all(tf, keras, directories, make_model, scope):
     out = {}
     for name, directory in directories.items():
         reference = list(np.load(os.path.join(directory, "reference.npz")).values())
-        for fmt in FORMATS:
+        for fmt in _formats():
             if fmt == "backup" and not os.path.isdir(_paths(directory)["backup"]):
                 continue
             model = _restore(tf, keras, fmt, directory, make_model, scope)
@@ -131,7 +149,8 @@ def _restore_all(tf, keras, directories, make_model, scope):
 
 
 def _storage_errors(tf, model, directory):
-    """Saves to paths the chief can use but a ps task cannot write, or does not share."""
+    """Saves to paths the chief can use but a ps task cannot write, or does not share,
+    and restores from a path only the chief sees."""
     # /proc/self/fd/N is this process's open directory; in a ps task it is nothing.
     own = os.path.join(directory, "chief_only")
     os.makedirs(own)
@@ -141,18 +160,27 @@ def _storage_errors(tf, model, directory):
     # ram:// is each process's own memory: a ps task's files there are not the chief's.
     for name, path in (("unwritable", f"/proc/self/fd/{_CHIEF_ONLY_FD}/ckpt"),
                        ("not_shared", "ram://hybrid_checkpoint_test/ckpt")):
-        try:
-            checkpoint.write(path)
-            out[name] = {"error": None}
-        except Exception as error:  # pylint: disable=broad-except
-            out[name] = {"type": type(error).__name__, "error": str(error)}
+        out[name] = _error_of(lambda: checkpoint.write(path))
+    saved = checkpoint.write(os.path.join(directory, "readable", "ckpt"))
+    for f in tf.io.gfile.glob(saved + "*"):
+        tf.io.gfile.copy(f, "ram://hybrid_checkpoint_read/" + os.path.basename(f))
+    out["not_shared_read"] = _error_of(
+        lambda: checkpoint.read("ram://hybrid_checkpoint_read/ckpt"))
     return out
+
+
+def _error_of(operation):
+    try:
+        operation()
+    except Exception as error:  # pylint: disable=broad-except
+        return {"type": type(error).__name__, "error": str(error)}
+    return {"error": None}
 
 
 def main(argv):
     import tensorflow as tf
-    import keras
 
+    keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
     phase, directory = argv[0], argv[1]
     make_model = lambda: _build(keras)  # noqa: E731
     if phase == "plain":
@@ -171,8 +199,9 @@ def main(argv):
         with scope():
             model = make_model()
         ids, y = _data()
-        model.fit(ids, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=[
-            keras.callbacks.BackupAndRestore(_paths(target)["backup"], delete_checkpoint=False)])
+        backup = [] if _tf_keras() else [keras.callbacks.BackupAndRestore(
+            _paths(target)["backup"], delete_checkpoint=False)]
+        model.fit(ids, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=backup)
         os.makedirs(target, exist_ok=True)
         np.savez(os.path.join(target, "reference.npz"), *_state(model))
         _save_all(tf, keras, model, target)
@@ -182,7 +211,8 @@ def main(argv):
             os.path.getsize(os.path.join(written, f)) for f in os.listdir(written)
             if ".data-" in f)
         report["restored"] = _restore_all(tf, keras, {"two_ps": target}, make_model, scope)
-        report["storage"] = _storage_errors(tf, model, directory)
+        if not _tf_keras():
+            report["storage"] = _storage_errors(tf, model, directory)
     elif phase == "restore":
         report["restored"] = _restore_all(
             tf, keras, {"two_ps": os.path.join(directory, "two_ps")}, make_model, scope)
@@ -200,18 +230,20 @@ def main(argv):
 # The tests ---------------------------------------------------------------------------
 
 
-def _phase(phase, directory, ps=None):
+def _phase(phase, directory, ps=None, tf_keras=False):
     command = [os.path.abspath(__file__), phase, directory]
     if ps is not None:
         command = ["-m", "hybrid_strategy.launch", "--workers", "1", "--ps", str(ps), "--",
                    sys.executable] + command
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="0",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_USE_LEGACY_KERAS="1" if tf_keras else "0",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("TF_CONFIG", None)
     run = subprocess.run([sys.executable] + command, env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)
     if run.returncode != 0:
-        pytest.fail(f"checkpoint phase {phase} (ps={ps}) exited {run.returncode}:\n"
+        pytest.fail(f"checkpoint phase {phase} (ps={ps}, tf_keras={tf_keras}) exited "
+                    f"{run.returncode}:\n"
                     f"{run.stderr[-6000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -223,6 +255,13 @@ def reports(tmp_path_factory):
             "three_ps": _phase("restore", directory, ps=3),
             "one_machine": _phase("restore", directory),
             "plain": _phase("plain", directory)}
+
+
+@pytest.fixture(scope="module")
+def tf_keras_reports(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tf_keras_checkpoints"))
+    return {"save": _phase("save", directory, ps=2, tf_keras=True),
+            "three_ps": _phase("restore", directory, ps=3, tf_keras=True)}
 
 
 def _assert_equal_to_saved(restored, keys, shards):
@@ -268,13 +307,47 @@ def test_restore_without_a_strategy(reports):
     _assert_equal_to_saved(restored, keys, shards=None)
 
 
+def test_tf_keras_round_trip_and_reshard(tf_keras_reports):
+    keys = [f"two_ps/{f}" for f in TF_KERAS_FORMATS]
+    _assert_equal_to_saved(tf_keras_reports["save"]["restored"], keys, shards=2)
+    _assert_equal_to_saved(tf_keras_reports["three_ps"]["restored"], keys, shards=3)
+
+
+@pytest.mark.parametrize("rows, saved, restored", [(7, 3, 2), (10, 2, 3), (5, 1, 4),
+                                                    (9, 4, 1), (3, 2, 3)])
+def test_row_blocks_restore_into_any_sharding_and_a_plain_variable(tmp_path, rows, saved,
+                                                                   restored):
+    import tensorflow as tf
+    from hybrid_strategy import checkpointing, table as table_lib
+
+    checkpointing.install_hooks()
+    whole = np.arange(rows * 2, dtype="float32").reshape(rows, 2)
+
+    def dealt(values, shards):
+        return table_lib.ShardedTable([tf.Variable(values[k::shards]) for k in range(shards)],
+                                      "t/embeddings")
+
+    path = tf.train.Checkpoint(t=dealt(whole, saved)).write(str(tmp_path / "ckpt"))
+    target = dealt(np.zeros_like(whole), restored)
+    tf.train.Checkpoint(t=target).read(path).assert_consumed()
+    np.testing.assert_array_equal(target.numpy(), whole)
+    plain = tf.Variable(np.zeros_like(whole))
+    tf.train.Checkpoint(t=plain).read(path).assert_consumed()
+    np.testing.assert_array_equal(plain.numpy(), whole)
+    # A plain variable's checkpoint restores into a table.
+    path = tf.train.Checkpoint(t=tf.Variable(whole + 1)).write(str(tmp_path / "plain"))
+    tf.train.Checkpoint(t=target).read(path).assert_consumed()
+    np.testing.assert_array_equal(target.numpy(), whole + 1)
+
+
 @pytest.mark.parametrize("case, says", [
     ("unwritable", "cannot write the checkpoint directory"),
     ("not_shared", "on storage the chief does not see"),
+    ("not_shared_read", "it finds no ram://hybrid_checkpoint_read/ckpt.index"),
 ])
 def test_a_path_a_task_cannot_use_is_a_clear_error(reports, case, says):
     error = reports["save"]["storage"][case]
-    assert error["error"] is not None, f"saving to the {case} path did not fail"
+    assert error["error"] is not None, f"using the {case} path did not fail"
     assert error["type"] == "CheckpointStorageError"
     assert says in error["error"]
     assert "/job:ps/replica:0/task:0" in error["error"]
