@@ -23,11 +23,12 @@ defaults. The tf_keras contenders import the same modules with `keras` bound to 
 the same sizes, optimizer and data; the language model's loss is computed the way tf_keras
 needs under a strategy (per-token cross-entropy averaged over the global batch).
 
-Timing: `model.fit` with `steps_per_execution=1`, verbose 0, and a callback. For the
-synchronous contenders the callback receives every step's logs as numbers (so the step
-has finished), one epoch runs warm-up + measured steps, and the measured window starts at
-`on_train_batch_begin` of the first measured step and ends at `on_train_batch_end` of the
-last. ParameterServerStrategy schedules steps asynchronously (each step runs on one
+Timing: `model.fit` with the spec's `steps_per_execution` (default 1), verbose 0, and a
+callback. For the synchronous contenders the callback receives every call's logs as
+numbers (so its steps have finished), one epoch runs warm-up + measured steps, and the
+measured window starts at `on_train_batch_begin` of the first measured step and ends at
+`on_train_batch_end` of the last; with N steps per call, a call's time counts as N steps
+of a Nth of it each. ParameterServerStrategy schedules steps asynchronously (each step runs on one
 worker with the whole global batch); its callback takes no per-step logs, `fit` runs two
 epochs of `steps` steps (the first is the warm-up) and the window is the second epoch,
 which ends once every scheduled step has finished (`coordinator.join()`), so only its
@@ -217,7 +218,8 @@ def make_timer(keras, spec, asynchronous, profiler=None):
                 return
             if self.measuring:
                 now = time.perf_counter()
-                self.step_times.append(now - self._last)
+                per_step = spec.get("steps_per_execution", 1)
+                self.step_times += [(now - self._last) / per_step] * per_step
                 self._last = now
             self.last_logs = {k: float(v) for k, v in (logs or {}).items()
                               if _is_number(v)}
@@ -365,6 +367,13 @@ def run(spec):
         if legacy and hasattr(module, "LanguageModel"):
             model._bench_loss = keras.metrics.Mean(name="loss")
             model.built = True  # its build() is the Keras 3 one; the layers are built
+    steps_per_execution = spec.get("steps_per_execution", 1)
+    if steps_per_execution > 1:
+        # The examples compile their models; only the steps per call change.
+        if legacy:
+            model._configure_steps_per_execution(steps_per_execution)
+        else:
+            model.steps_per_execution = steps_per_execution
     profile = spec.get("profile")
     profiler = Profiler(profile["logdir"], profile["duration_ms"]) if profile else None
     timer = make_timer(keras, spec, asynchronous, profiler)
@@ -392,6 +401,7 @@ def run(spec):
         "global_batch": batch,
         "warmup_steps": warmup_steps,
         "steps": steps,
+        "steps_per_execution": steps_per_execution,
         "synchronous": not asynchronous,
         "measured_seconds": seconds,
         "step_times_s": timer.step_times,

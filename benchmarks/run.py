@@ -316,6 +316,7 @@ class ContenderRun:
             spec = {"contender": self.contender, "model": self.options.model_name,
                     "global_batch": self.options.global_batch, "steps": self.options.steps,
                     "warmup": self.options.warmup, "num_ps": self.options.ps,
+                    "steps_per_execution": self.options.steps_per_execution,
                     "result": os.path.join(self.workdir, "result.json"),
                     "sync_dir": self.sync_dir, "task": task.name,
                     "write_result": task.index == 0}
@@ -536,6 +537,9 @@ def parse(argv):
                         help="rate limit of every emulated link, Gbit/s (namespaces only)")
     parser.add_argument("--steps", type=int, default=30, help="measured steps")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (traced first)")
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="Keras compile(steps_per_execution=N): steps per call of the "
+                        "training function; --steps and --warmup must be multiples of it")
     parser.add_argument("--global-batch", type=int, default=None,
                         help="default: the model's (" + ", ".join(
                             f"{name} {spec.global_batch}"
@@ -579,6 +583,14 @@ def parse(argv):
         parser.error("--steps and --warmup must be at least 1 (the first step traces)")
     if options.repeats < 1:
         parser.error("--repeats must be at least 1")
+    n = options.steps_per_execution
+    if n < 1 or options.steps % n or options.warmup % n:
+        parser.error(f"--steps-per-execution {n}: must be at least 1 and divide --steps "
+                     f"({options.steps}) and --warmup ({options.warmup}), whose windows "
+                     "start and end between calls")
+    if n > 1 and "pss" in options.contender_list:
+        parser.error("--steps-per-execution > 1: the pss contender measures whole epochs "
+                     "of scheduled steps; leave it out")
     if options.link_gbit is not None and options.link_gbit <= 0:
         parser.error("--link-gbit must be positive")
     if options.profile_ms < 100:
@@ -627,6 +639,7 @@ def run_model(options, model, mode, why, argv):
         "config": {"workers": options.workers, "ps": options.ps,
                    "global_batch": options.global_batch, "steps": options.steps,
                    "repeats": options.repeats,
+                   "steps_per_execution": options.steps_per_execution,
                    "warmup": options.warmup, "unit": spec.unit,
                    "units_per_example": spec.units_per_example},
         "contenders": [],

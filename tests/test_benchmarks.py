@@ -261,3 +261,56 @@ def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
     assert hybrid["bytes_source"].startswith("tcp_info")
     assert hybrid["summary"]["worker_bytes_per_step_mean"] > 0
     assert "| hybrid |" in done.stdout and "horovod" in done.stdout
+
+
+# Scaling ------------------------------------------------------------------------------
+
+
+def test_scaling_line_and_projection():
+    from benchmarks import scaling
+
+    line = scaling.fit_line([(1, 3.0), (2, 5.0), (4, 9.0), (8, None)])
+    assert line["slope"] == pytest.approx(2.0) and line["intercept"] == pytest.approx(1.0)
+    # 1 + 2 W <= 50 for W up to 24.
+    assert scaling.workers_within(line, 50) == 24
+    assert scaling.workers_within(line, 0.5) == 0
+    assert scaling.fit_line([(2, 3.0), (2, 4.0)]) is None
+    assert scaling.workers_within({"slope": 0.0, "intercept": 1.0}, 50) is None
+
+
+def _scaling_run(workers, chief_ms, contender="hybrid"):
+    tasks = {"chief": {"cpu_ms_per_step": chief_ms}} if contender == "hybrid" else {}
+    tasks.update({f"worker{i}": {"cpu_ms_per_step": 10.0 + i} for i in range(workers)})
+    return {"model": "text", "network": {"mode": "loopback"}, "command": f"cmd w{workers}",
+            "date": "d", "config": {"workers": workers, "steps_per_execution": 1},
+            "lower_bound": {"sent_plus_received": 1000.0},
+            "contenders": [
+                {"contender": contender, "status": "ok", "examples_per_s": 100.0 * workers,
+                 "median_step_s": 0.01, "per_task": tasks,
+                 "summary": {"worker_bytes_per_step_mean": 1500.0}},
+                {"contender": "mwms", "status": "failed"}]}
+
+
+def test_scaling_summary_of_runs(tmp_path):
+    from benchmarks import scaling
+
+    runs = tmp_path / "scaling"
+    runs.mkdir()
+    for w, ms in ((1, 3.0), (2, 5.0), (4, 9.0)):
+        (runs / f"h{w}.json").write_text(json.dumps(_scaling_run(w, ms)))
+        (runs / f"m{w}.json").write_text(json.dumps(_scaling_run(w, None, "mwms")))
+    path = scaling.summarize(str(tmp_path), plots=False)
+    text = open(path).read()
+    # hybrid: the chief, 2 ms per worker, 1 ms fixed; within 10 ms: 4 workers.
+    assert "| text | loopback | hybrid | 1 | chief | 1: 3.0, 2: 5.0, 4: 9.0 | 2.0 | 1.0 | 4 / 24 / 49 / 99 |" in text
+    # MultiWorkerMirroredStrategy has no chief: worker 0 stands for it (10 ms each).
+    assert "| text | loopback | mwms | 1 | worker0 |" in text
+    assert "| text | loopback | hybrid | 1 | 4 | 100 | 10.0 | 9.0 | 10.0, 11.0, 12.0, 13.0 | - | 1.50 kB | 1.00 kB | 1.50 |" in text
+    assert "- `cmd w4`" in text
+
+
+def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
+    done = _run_harness("--contenders", "hybrid", "--steps", "10", "--warmup", "5",
+                        "--steps-per-execution", "4", "--loopback")
+    assert done.returncode == 2
+    assert "--steps-per-execution 4: must be at least 1 and divide --steps" in done.stdout
