@@ -35,6 +35,7 @@ print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the secon
 
 import contextlib
 import functools
+import random
 import threading
 import weakref
 
@@ -340,15 +341,34 @@ def shard_initial_values(initial_value, initializer, shape, dtype, num_shards):
         return [initial_value]
     shape = tf.TensorShape(shape)
     if initializer is not None and type(initializer).__name__ in _ROW_WISE_INITIALIZERS:
-        return [lambda rows=rows: initializer(
+        return [lambda rows=rows, init=init: init(
                     tf.TensorShape([rows]).concatenate(shape[1:]), dtype=dtype)
-                for rows in shard_rows(shape[0], num_shards)]
+                for rows, init in zip(shard_rows(shape[0], num_shards),
+                                      _per_shard(initializer, num_shards))]
 
     def rows_of(k):
         value = initial_value() if callable(initial_value) else initial_value
         return tf.convert_to_tensor(value, dtype=dtype)[k::num_shards]
 
     return [lambda k=k: rows_of(k) for k in range(num_shards)]
+
+
+def _per_shard(initializer, num_shards):
+    """One initializer per shard, random ones each with a seed of its own.
+
+    A Keras initializer with an integer seed (Keras 3 gives every unseeded one a
+    fixed seed; tf_keras repeats an unseeded one's values) draws the same values
+    for every call of the same shape: shards would all hold the same rows. Shard
+    k's seed derives from the initializer's, or from Python's `random`, which
+    `keras.utils.set_random_seed` seeds, so runs stay reproducible.
+    """
+    seed = getattr(initializer, "seed", None)
+    if "seed" not in initializer.get_config() or not (seed is None or isinstance(seed, int)):
+        return [initializer] * num_shards  # constant, or a stateful SeedGenerator
+    base = seed if seed is not None else random.randrange(1 << 31)
+    config = initializer.get_config()
+    return [type(initializer).from_config(dict(config, seed=hash((base, k)) & 0x7FFFFFFF))
+            for k in range(num_shards)]
 
 
 def split_dense(value, num_shards):

@@ -126,3 +126,30 @@ def test_weights_and_checkpoints_round_trip(tmp_path):
              for m in (model, restored)]
     assert len(slots[0]) == 1
     np.testing.assert_array_equal(slots[0][0], slots[1][0])
+
+
+@pytest.mark.parametrize("make_initializer", [
+    lambda: keras_initializer("RandomUniform", seed=3),
+    lambda: keras_initializer("RandomNormal"),
+    lambda: keras_initializer("TruncatedNormal"),
+])
+def test_random_initializers_draw_different_rows_for_every_shard(make_initializer):
+    # A seeded Keras initializer repeats its values for a repeated shape: each shard
+    # gets a seed of its own, and the same one again under the same random seed.
+    def table_values():
+        tf.keras.utils.set_random_seed(7)
+        initializer = make_initializer()
+        parts = table_lib.shard_initial_values(None, initializer, (9, 4), tf.float32, 3)
+        return [part().numpy() for part in parts]
+
+    values = table_values()
+    for a in range(3):
+        for b in range(a + 1, 3):
+            assert not np.allclose(values[a][:3], values[b][:3]), (a, b)
+    for again, first in zip(table_values(), values):
+        np.testing.assert_array_equal(again, first)
+
+
+def keras_initializer(name, **kwargs):
+    """`tf.keras.initializers.NAME`: Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1."""
+    return getattr(tf.keras.initializers, name)(**kwargs)
