@@ -145,7 +145,7 @@ class LocalCluster:
 
     def chief_environ(self, base=None) -> dict[str, str]:
         """`base` (default os.environ) plus the chief's TF_CONFIG and the server pids."""
-        environ = dict(os.environ if base is None else base)
+        environ = _with_package_path(dict(os.environ if base is None else base))
         environ["TF_CONFIG"] = self.chief_tf_config
         environ[SERVER_PIDS_ENV] = ",".join(str(pid) for pid in self.pids)
         return environ
@@ -231,9 +231,7 @@ class LocalCluster:
         # The package's __init__ imports TensorFlow before server.py can set this itself.
         environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         environ["TF_CONFIG"] = self.config.to_tf_config(job, index)
-        paths = [_PACKAGE_PARENT] + [p for p in [environ.get("PYTHONPATH")] if p]
-        environ["PYTHONPATH"] = os.pathsep.join(paths)
-        return environ
+        return _with_package_path(environ)
 
     def exited_servers(self) -> list[str]:
         """One description per server that has exited, e.g. "server /job:ps/task:0 (pid 7)
@@ -254,6 +252,14 @@ class LocalCluster:
                     f"{_describe_exit(code)} while the cluster was starting; {hint}.",
                     code,
                 )
+
+
+def _with_package_path(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with this package's folder first on PYTHONPATH: the chief and the servers
+    import the same hybrid_strategy as the launcher, whichever copy is installed."""
+    paths = [_PACKAGE_PARENT] + [p for p in [environ.get("PYTHONPATH")] if p]
+    environ["PYTHONPATH"] = os.pathsep.join(paths)
+    return environ
 
 
 def _local_config(workers: int, ps: int, host: str) -> cluster_lib.ClusterConfig:
