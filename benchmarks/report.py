@@ -409,6 +409,10 @@ def readme(runs, images):
              "MultiWorkerMirroredStrategy 25.3, one process 193 on its machine and day).",
              "- All tasks share this machine's cores: the machine is named with each run "
              "(and the load average before it: other work on the machine skews figures).",
+             "- **Scaling with the number of workers** (the coordinator's CPU per step "
+             "against W, examples/s per worker, several steps per call): "
+             "[scaling.md](scaling.md), from `python -m benchmarks.scaling`, whose runs "
+             "are kept in `scaling/`.",
              ""]
     rows = targets(runs)
     if rows:

@@ -12,7 +12,7 @@ worker, the coordinator's CPU ms per step, every task's CPU ms per step and the 
 worker moves per step beside the lower bound; a least-squares line through the
 coordinator's CPU ms per step against W (its slope is the coordinator's cost per
 worker); and how many workers one coordinator can drive, by that line, before its CPU
-time alone fills a step of a given length. With matplotlib, it also draws the
+time alone fills a step of a given length (the line is fitted from W = 2 on). With matplotlib, it also draws the
 coordinator's CPU per step against W (benchmarks/results/scaling-<model>-<network>.png).
 
 The coordinator is the chief for HybridStrategy (one process drives every task); a
@@ -39,6 +39,9 @@ from benchmarks import report
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS_DIR = os.path.join(RESULTS_DIR, "scaling")
 STEP_TIMES_MS = (10, 50, 100, 200)  # step lengths the projection is given for
+# The line is fitted from 2 workers on: with one, no step crosses workers (its
+# all-reduces have nothing to reduce), so it is not on the same line.
+FIT_FROM_WORKERS = 2
 # Runs of earlier code, kept beside the others for comparison, end with this.
 BEFORE_SUFFIX = "-before.json"
 
@@ -63,7 +66,7 @@ def run_all(options):
                         "--workers", str(workers), "--ps", str(options.ps),
                         "--steps", str(_round_up(options.steps, n)),
                         "--warmup", str(_round_up(options.warmup, n)),
-                        "--steps-per-execution", str(n), "--json", path]
+                        "--steps-per-execution", str(n), "--json", os.path.relpath(path)]
                 if options.loopback:
                     argv.append("--loopback")
                 if options.link_gbit:
@@ -169,17 +172,22 @@ def markdown(rows, images):
               + " / ".join(f"{t} ms" for t in STEP_TIMES_MS) + " steps |",
               "|---|---|---|---:|---|---|---:|---:|---|"]
     for (model, network, contender, n), points in by_series.items():
-        line = fit_line([(r["workers"], r["coordinator_cpu_ms"]) for r in points])
+        line = fit_line([(r["workers"], r["coordinator_cpu_ms"]) for r in points
+                         if r["workers"] >= FIT_FROM_WORKERS])
         at = ", ".join(f"{r['workers']}: {_ms(r['coordinator_cpu_ms'])}" for r in points)
         within = " / ".join(str(workers_within(line, t)) if line else "n/a"
                             for t in STEP_TIMES_MS)
+        slope = "n/a" if line is None else f"{line['slope']:.2f}"
         lines.append(f"| {model} | {network} | {contender} | {n} | "
                      f"{points[0]['coordinator']} | {at} | "
-                     f"{_ms(line and line['slope'])} | {_ms(line and line['intercept'])} | "
+                     f"{slope} | "
+                     f"{_ms(line and line['intercept'])} | "
                      f"{within} |")
-    lines += ["", "Workers within T ms: the largest W whose coordinator CPU time per step, "
-              "on the fitted line, is at most T (the coordinator's own ceiling; the "
-              "workers' compute and the network add to the step).", ""]
+    lines += ["", "The line is fitted by least squares from W = 2 on (with one worker no "
+              "step crosses workers). Workers within T ms: the largest W whose "
+              "coordinator CPU time per step, on the fitted line, is at most T (the "
+              "coordinator's own ceiling; the workers' compute and the network add to "
+              "the step).", ""]
     for key, image in sorted(images.items()):
         lines += [f"![coordinator CPU per step, {key}]({image})", ""]
     lines += ["## Every run", "",

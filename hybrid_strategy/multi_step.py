@@ -1,11 +1,11 @@
-"""Several training steps per call over several devices or tasks, without a while loop.
+"""Keras' training and evaluation steps on a HybridStrategy that spans devices or tasks.
 
 Keras runs `compile(steps_per_execution=N)` as a `tf.while_loop` around the step (Keras 3)
 or a `tf.range` loop that autograph turns into one (tf_keras). TensorFlow 2.21 cannot run
-that loop when the step spans devices: the loop's conditional branches lose the inputs
-they capture ("You must feed a value for placeholder tensor 'while/cond/...'"). So under
-a HybridStrategy whose replicas span several devices or tasks, `install()` makes Keras
-trace the N steps one after the other in one function instead:
+that loop when the step spans devices: a function call inside a loop or conditional that
+spans devices loses the inputs it captures ("You must feed a value for placeholder
+tensor 'while/cond/...'"). So under a HybridStrategy whose replicas span several devices
+or tasks, `install()` makes Keras trace the N steps one after the other in one function:
 
     outputs = step(iterator.get_next())                  # no data at all: OutOfRange
     for the N - 1 other steps:
@@ -13,12 +13,22 @@ trace the N steps one after the other in one function instead:
         outputs = tf.cond(batch.has_value(), step(batch), outputs)
         # tf_keras: tf.cond(i < steps_per_execution variable, step(next(iterator)), outputs)
 
-A conditional outside a loop runs across devices. Each step reads the variables the one
-before wrote (automatic control dependencies order the stateful ops as traced), so N
-steps per call train exactly as N calls of one step; a final call with fewer batches
-left (Keras 3: the data runs out; tf_keras: its data handler lowers the variable) runs
-only those. The cost: the traced function holds N copies of the step, so its tracing
-time and size grow with N.
+A conditional outside a loop runs across devices, with the step traced inline (not as
+a nested function call). Each step reads the variables the one before wrote (automatic
+control dependencies order the stateful ops as traced), so N steps per call train
+exactly as N calls of one step; a final call with fewer batches left (Keras 3: the data
+runs out; tf_keras: its data handler lowers the variable) runs only those. The traced
+function holds N copies of the step, so its tracing time and size grow with N.
+
+Keras 3 steps also cost this process less per worker, N = 1 included:
+- the step is traced inline, so no control edge runs from every task to a no-op on this
+  process (Keras' nested step function ends in one, placed where the call is);
+- the logs (loss, metrics: one scalar per replica each) are averaged on the first
+  replica's device and cross to this process as one vector, where Keras would fetch
+  every replica's value of every log;
+- the steps are traced under the first replica's device, so what neither Keras nor the
+  strategy places (the input pipeline's end-of-data checks, the conditionals between
+  steps and the batches they pass on) runs there, not on this process.
 """
 
 import os
@@ -29,11 +39,11 @@ _installed = False
 
 
 def install(unrolls):
-    """Makes Keras 3 (and tf_keras if it is in use) unroll multi-step executions.
+    """Makes Keras 3 (and tf_keras if it is in use) run steps as this module says.
 
     Args:
-        unrolls: `unrolls(strategy)` says whether a model under `strategy` needs the
-            unrolled loop (a HybridStrategy spanning several devices or tasks).
+        unrolls: `unrolls(strategy)` says whether a model under `strategy` runs its
+            steps this way (a HybridStrategy spanning several devices or tasks).
     """
     global _installed
     if _installed:
@@ -65,6 +75,64 @@ def unrolled_steps(steps, first_step, later_step):
     return run
 
 
+class PackedLogs:
+    """A step's outputs, with its float32 scalars (the logs) in one vector.
+
+    Keras fetches every replica's value of every log to this process and averages
+    them here. `pack` stacks the logs on each replica's device and averages them on
+    the first one's; `unpack` splits that vector on this process, so one tensor
+    crosses to it. Other outputs are reduced as Keras does (`reduce_per_replica(value,
+    strategy, "auto")`). Both run while the step is traced.
+    """
+
+    def __init__(self, strategy, reduce_per_replica):
+        self._strategy = strategy
+        self._reduce_per_replica = reduce_per_replica
+        self._structure, self._scalars = None, ()
+
+    def pack(self, outputs):
+        strategy = self._strategy
+        flat = tf.nest.flatten(outputs)
+        self._structure = outputs
+        self._scalars = [i for i, value in enumerate(flat)
+                         if _is_float32_scalar_per_replica(value)]
+        packed = {"rest": [self._reduce_per_replica(value, strategy, "auto")
+                           for i, value in enumerate(flat) if i not in self._scalars]}
+        if self._scalars:
+            devices = strategy.extended.worker_devices
+            per_replica = zip(*(strategy.experimental_local_results(flat[i])
+                                for i in self._scalars))
+            vectors = []
+            for device, values in zip(devices, per_replica):
+                with tf.device(device):
+                    vectors.append(tf.stack(values))
+            with tf.device(devices[0]):
+                packed["means"] = tf.reduce_mean(tf.stack(vectors), axis=0)
+        return packed
+
+    def unpack(self, packed):
+        means = ()
+        if "means" in packed:
+            with tf.device(_this_process_device()):
+                means = tf.unstack(tf.identity(packed["means"]))
+        means, rest = iter(means), iter(packed["rest"])
+        flat = [next(means) if i in self._scalars else next(rest)
+                for i in range(len(self._scalars) + len(packed["rest"]))]
+        return tf.nest.pack_sequence_as(self._structure, flat)
+
+
+def _this_process_device():
+    """Where this process runs its own ops, e.g. /job:chief/replica:0/task:0/device:CPU:0."""
+    with tf.init_scope():
+        return tf.constant(0).device
+
+
+def _is_float32_scalar_per_replica(value):
+    return (isinstance(value, tf.distribute.DistributedValues)
+            and all(tf.is_tensor(v) and v.dtype == tf.float32 and v.shape.rank == 0
+                    for v in value.values))
+
+
 def _install_keras3(unrolls):
     # Keras-private: the trainer that builds `model.train_function` and
     # `model.test_function`; Keras has no public way to change its step loop.
@@ -73,7 +141,7 @@ def _install_keras3(unrolls):
     original = trainer_lib.TensorFlowTrainer._make_function
 
     def _make_function(self, step_function):
-        if self.steps_per_execution <= 1 or not unrolls(self.distribute_strategy):
+        if not unrolls(self.distribute_strategy):
             return original(self, step_function)
         return _keras3_function(self, step_function, trainer_lib)
 
@@ -81,14 +149,14 @@ def _install_keras3(unrolls):
 
 
 def _keras3_function(model, step_function, trainer_lib):
-    """Keras 3's `_make_function` with the while loop replaced by unrolled steps."""
+    """Keras 3's `_make_function`: the step inline, N steps unrolled, logs packed."""
     strategy = model.distribute_strategy
     steps = model.steps_per_execution
+    logs = PackedLogs(strategy, trainer_lib.reduce_per_replica)
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
-        outputs = strategy.run(step_function, args=(data,))
-        return trainer_lib.reduce_per_replica(outputs, strategy, reduction="auto")
+        return logs.pack(strategy.run(step_function, args=(data,)))
 
     # Traced inline, not as a nested tf.function: a function call inside a
     # conditional that spans devices loses its captured inputs on TensorFlow 2.21.
@@ -102,17 +170,28 @@ def _keras3_function(model, step_function, trainer_lib):
         return batch.has_value(), lambda: one_step_on_data(batch.get_value())
 
     # With no batch at all, get_next raises OutOfRange, which ends Keras' epoch.
-    multi_step_on_iterator = unrolled_steps(
+    run_steps = unrolled_steps(
         steps, lambda iterator: one_step_on_data(iterator.get_next()), later_step)
+
+    def multi_step_on_iterator(iterator):
+        # Unplaced ops would land on this process, each step's data passing through it.
+        with tf.device(strategy.extended.worker_devices[0]):
+            packed = run_steps(iterator)
+        return logs.unpack(packed)
+
+    def step_on_data(data):
+        return logs.unpack(one_step_on_data(data))
+
     if not model.run_eagerly:
         multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+        step_on_data = tf.function(step_on_data, reduce_retracing=True)
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             return multi_step_on_iterator(iterator)
         outputs = None
         for _, data in zip(range(steps), iterator):
-            outputs = one_step_on_data(data)
+            outputs = step_on_data(data)
         return outputs
 
     return function

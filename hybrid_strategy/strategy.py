@@ -232,6 +232,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         chosen = communication.dense_options(self._devices, config is not None)
         if chosen is not None:
             self._communication_options = self._communication_options.merge(chosen)
+        _assign_instance_keys_when_traced(self._collective_ops)
         if communication_options is not None:
             self._communication_options = self._communication_options.merge(
                 communication_options)
@@ -541,6 +542,19 @@ def _components(value):
     if isinstance(value, values_lib.DistributedValues):
         return value.values
     return (value,)
+
+
+def _assign_instance_keys_when_traced(collective_ops):
+    """Fixes each all-reduce's collective instance key when the step is traced.
+
+    By default TensorFlow feeds every all-reduce a new instance key at every call: a
+    tensor made on this process and sent to every worker, each step, so that workers
+    tracing at different times agree. Here one process traces every replica, so keys
+    fixed at trace time agree as well, and none crosses the network.
+    """
+    # TF-private: the per-replica collective launchers of CollectiveAllReduce.
+    for launcher in getattr(collective_ops, "_launchers", ()):
+        launcher._use_unique_instance_key = lambda: False
 
 
 def _spans_devices(strategy):

@@ -302,7 +302,7 @@ def test_scaling_summary_of_runs(tmp_path):
     path = scaling.summarize(str(tmp_path), plots=False)
     text = open(path).read()
     # hybrid: the chief, 2 ms per worker, 1 ms fixed; within 10 ms: 4 workers.
-    assert "| text | loopback | hybrid | 1 | chief | 1: 3.0, 2: 5.0, 4: 9.0 | 2.0 | 1.0 | 4 / 24 / 49 / 99 |" in text
+    assert "| text | loopback | hybrid | 1 | chief | 1: 3.0, 2: 5.0, 4: 9.0 | 2.00 | 1.0 | 4 / 24 / 49 / 99 |" in text
     # MultiWorkerMirroredStrategy has no chief: worker 0 stands for it (10 ms each).
     assert "| text | loopback | mwms | 1 | worker0 |" in text
     assert "| text | loopback | hybrid | 1 | 4 | 100 | 10.0 | 9.0 | 10.0, 11.0, 12.0, 13.0 | - | 1.50 kB | 1.00 kB | 1.50 |" in text
