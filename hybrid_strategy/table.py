@@ -604,9 +604,12 @@ def install_keras_hook():
 
     - `tf.gather(params, ids)` calls `params.sparse_read(ids)` when it exists. Keras 3
       variables have none, so their gather would read the whole table first; this
-      adds one that exists only for variables wrapping a PS table.
-    - `tf.shape` of such a variable (Keras' `ops.take` asks for it) is answered from
-      the static shape instead of converting, i.e. reading, the whole table.
+      adds one that exists only for variables wrapping a PS table (or made one by
+      an `on_row_read` handler).
+    - `tf.nn.embedding_lookup` of such a variable takes the same route (TensorFlow
+      would convert it to one dense tensor first).
+    - `tf.shape` of a Keras 3 variable (Keras' `ops.take` asks for it) is answered
+      from the static shape instead of converting, i.e. reading, the variable.
     - Keras' SavedModel export (`model.export`, `keras.export.ExportArchive`)
       traces its endpoints for export, reading tables whole (`tracing_for_export`).
     """

@@ -85,7 +85,7 @@ def test_embedding_id_out_of_range_names_the_table(monkeypatch):
     model = words_model("sgd")
     ids = np.array([[1, 2], [3, 12]], "int32")
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"embedding id out of range for table words/embeddings "
+                       match=r"embedding id out of range for table sequential/words/embeddings "
                              r"\(10 rows\): ids must be in \[0, 10\)"):
         model.fit(ids, np.zeros((2, 1)), batch_size=2, verbose=0)
 
