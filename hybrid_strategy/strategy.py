@@ -51,6 +51,7 @@ _CHIEF_JOB = "chief"
 # The cluster this process is connected to: TensorFlow keeps one per process.
 _connected_cluster = None
 _collective_key_bases = itertools.count(0, 100)
+# Exit code when a task is lost during training: "restart me" (sysexits' EX_TEMPFAIL).
 EXIT_TASK_LOST = cluster_lib.EXIT_TASK_LOST
 _exiting = threading.Lock()
 # Errors TensorFlow raises when a connection to another task breaks or times out.
