@@ -19,6 +19,7 @@ import importlib
 _EXPORTS = {
     "ClusterConfig": "hybrid_strategy.cluster",
     "ClusterConfigError": "hybrid_strategy.cluster",
+    "EXIT_TASK_LOST": "hybrid_strategy.cluster",
     "TaskUnreachableError": "hybrid_strategy.cluster",
     "Placement": "hybrid_strategy.placement",
     "PlacementPlan": "hybrid_strategy.placement",

@@ -33,6 +33,8 @@ _PROBE_INTERVAL = 0.2  # seconds between two connection attempts to one task
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _FRAME_HEADER = 9
 _SETTINGS_FRAME = 4
+# Exit code of a chief that lost a task during training (sysexits' EX_TEMPFAIL): "restart me".
+EXIT_TASK_LOST = 75
 # Seconds a worker or ps server waits for a chief that stopped answering before it starts
 # afresh, dropping that chief's variables (python -m hybrid_strategy.server --chief-timeout).
 CHIEF_TIMEOUT = 5.0

@@ -37,9 +37,6 @@ from hybrid_strategy import server as server_lib
 SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"
 # How many times the launcher restarted the cluster and the chief before this run (0 first).
 RESTART_COUNT_ENV = "HYBRID_STRATEGY_RESTART_COUNT"
-# The chief's "restart me" exit code, hybrid_strategy.EXIT_TASK_LOST (not imported from
-# there: that module imports TensorFlow, which the launcher does without).
-EXIT_TASK_LOST = 75
 _PREFIX = "hybrid_strategy.launch:"
 _SERVER_GRACE = 5.0  # seconds a server gets to exit after SIGTERM before SIGKILL
 _CHIEF_GRACE = 10.0  # seconds the chief gets after a forwarded signal before SIGKILL
@@ -413,7 +410,7 @@ def _launch_once(options, command: list[str], restart: int):
 def _restart_reason(code: int, exited_servers: list[str]) -> str | None:
     """Why a chief that ended with return code `code` is worth running again, or None.
 
-    Retryable: exit code 75 (a task was lost, see hybrid_strategy.EXIT_TASK_LOST), a server
+    Retryable: exit code 75 (a task was lost, hybrid_strategy.EXIT_TASK_LOST), a server
     that died during the run, or a chief killed by a signal other than a stop request (the
     OOM killer's SIGKILL, a crash). A chief that fails by itself (exit code 1) would fail
     again.
@@ -421,11 +418,12 @@ def _restart_reason(code: int, exited_servers: list[str]) -> str | None:
     if code == 0:
         return None
     # 75 means "a task was lost" from the chief, "cannot serve" from a server.
-    chief = (f"the chief exited with code {code} (a task was lost)" if code == EXIT_TASK_LOST
+    lost_task = code == cluster_lib.EXIT_TASK_LOST
+    chief = (f"the chief exited with code {code} (a task was lost)" if lost_task
              else f"the chief {_describe_exit(code)}")
     if exited_servers:
         return f"{', '.join(exited_servers)}; {chief}"
-    if code == EXIT_TASK_LOST or (code < 0 and -code not in _STOP_SIGNALS):
+    if lost_task or (code < 0 and -code not in _STOP_SIGNALS):
         return chief
     return None
 

@@ -68,8 +68,8 @@ _connected_cluster = None
 # start theirs at 1, so a HybridStrategy in the same process starts far above, each
 # with room for as many groups (sets of devices) as it could need.
 _collective_key_bases = itertools.count(1 << 24, 1 << 12)
-# Exit code when a task stops answering during training (sysexits' EX_TEMPFAIL).
-EXIT_TASK_LOST = 75
+# Exit code when a task is lost during training: "restart me" (sysexits' EX_TEMPFAIL).
+EXIT_TASK_LOST = cluster_lib.EXIT_TASK_LOST
 _exiting = threading.Lock()
 # Errors TensorFlow raises when a connection to another task breaks or times out.
 _CONNECTION_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,

@@ -217,7 +217,8 @@ def test_wait_for_tasks_names_unreachable_tasks_within_timeout(answering, silent
     assert time.monotonic() - started < 3.0
     message = str(info.value)
     assert f"/job:ps/task:0 at {closed} (connection refused)" in message
-    assert f"/job:worker/task:1 at {silent} (it accepted the connection but sent no HTTP/2" in message
+    assert (f"/job:worker/task:1 at {silent} (it accepted the connection but sent no HTTP/2"
+            in message)
     assert answering not in message
     assert "within 1 s" in message and "hybrid_strategy.server" in message
 
