@@ -125,7 +125,8 @@ def _restore(tf, keras, fmt, directory, make_model, scope):
     _zero(model)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     if fmt == "manager":
-        checkpoint.restore(tf.train.latest_checkpoint(paths["manager"])).assert_existing_objects_matched()
+        latest = tf.train.latest_checkpoint(paths["manager"])
+        checkpoint.restore(latest).assert_existing_objects_matched()
     elif fmt == "write":
         checkpoint.read(paths["write"]).assert_existing_objects_matched()
     elif fmt == "weights_h5":
@@ -244,7 +245,8 @@ def _phase(phase, directory, ps=None, tf_keras=False):
                    sys.executable] + command
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_USE_LEGACY_KERAS="1" if tf_keras else "0",
-               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+               PYTHONPATH=os.pathsep.join(
+                   [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("TF_CONFIG", None)
     run = subprocess.run([sys.executable] + command, env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)
