@@ -130,7 +130,8 @@ def run_chief(options):
 
     # A small table first, through every operation: what loads once per process
     # (h5py, Keras' saving code, TensorFlow's checkpoint functions) is not counted.
-    for save, restore in operations(build(8192), os.path.join(options.directory, "warm-up")).values():
+    warm_up = operations(build(8192), os.path.join(options.directory, "warm-up"))
+    for save, restore in warm_up.values():
         measured(save, pids)
         measured(restore, pids)
     model = build(rows)
@@ -158,7 +159,8 @@ def export_package(commit, directory):
 
 def chief_command(size_mib, directory, apis):
     return [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps", "2",
-            "--startup-timeout", "180", "--", sys.executable, "-m", "benchmarks.checkpoint_memory", "--chief",
+            "--startup-timeout", "180", "--",
+            sys.executable, "-m", "benchmarks.checkpoint_memory", "--chief",
             "--size-mib", str(size_mib), "--directory", directory, "--apis", *apis]
 
 
@@ -215,7 +217,8 @@ def markdown(runs, host, code, before, invocation):
         "",
         f"Machine: {machine.summary(host)}.",
         "",
-        "| table | code | API | operation | seconds | chief MiB | worker MiB | ps 0 MiB | ps 1 MiB | error |",
+        "| table | code | API | operation | seconds | chief MiB | worker MiB | ps 0 MiB "
+        "| ps 1 MiB | error |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for run in runs:
@@ -260,7 +263,8 @@ def main(argv=None):
     if options.chief:
         run_chief(options)
         return
-    stem = os.path.join(RESULTS, "checkpoint_memory-" + "-".join(map(str, options.sizes_mib)) + "MiB")
+    sizes = "-".join(map(str, options.sizes_mib))
+    stem = os.path.join(RESULTS, f"checkpoint_memory-{sizes}MiB")
     options.json = options.json or stem + ".json"
     options.markdown = options.markdown or stem + ".md"
     host = machine.describe()

@@ -169,7 +169,8 @@ def restore(table, restored_tensors):
     restored = restored_tensors[VARIABLE_VALUE]
     if not isinstance(restored, dict):
         if table.num_shards == 1:
-            return table.shards[0]._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
+            shard = table.shards[0]
+            return shard._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
         restored = {"": restored}
         ranges = {"": (0, table.shape[0])}
     else:
@@ -208,7 +209,7 @@ def _restore_every_slice(original):
 
 
 def _remote_tasks(saver):
-    """`/job:x/replica:0/task:i` of every worker or ps task that writes part of `saver`'s checkpoint."""
+    """`/job:x/replica:0/task:i` of each worker or ps task writing part of `saver`'s files."""
     tasks = set()
     for task in saver._shardable_tensors_by_task:  # pylint: disable=protected-access
         if task.job in ("worker", "ps"):

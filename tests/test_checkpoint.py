@@ -5,8 +5,9 @@ report (one cluster run does every case):
 - `save` on 1 worker + 2 ps: trains a model whose large table is dealt over both ps
   (and a small one stays whole), saves it with tf.train.Checkpoint (CheckpointManager),
   Checkpoint.write, save_weights (.weights.h5), model.save (.keras) and
-  BackupAndRestore, keeps the saved values in an npz, restores each format in place
-  over zeroed weights, and saves to paths a task cannot write or see;
+  BackupAndRestore, keeps the saved values in an npz, restores each format into a
+  new model over zeroed weights, trains the saved and a restored model on (they must
+  stay equal), and saves to and restores from paths a task cannot write or see;
 - `restore` on 1 worker + 3 ps, and on one machine (HybridStrategy without
   TF_CONFIG), which then saves again;
 - `plain`: a Keras model without any strategy restores both the 2-ps and the
@@ -124,7 +125,8 @@ def _restore(tf, keras, fmt, directory, make_model, scope):
     _zero(model)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     if fmt == "manager":
-        checkpoint.restore(tf.train.latest_checkpoint(paths["manager"])).assert_existing_objects_matched()
+        latest = tf.train.latest_checkpoint(paths["manager"])
+        checkpoint.restore(latest).assert_existing_objects_matched()
     elif fmt == "write":
         checkpoint.read(paths["write"]).assert_existing_objects_matched()
     elif fmt == "weights_h5":
@@ -211,6 +213,12 @@ def main(argv):
             os.path.getsize(os.path.join(written, f)) for f in os.listdir(written)
             if ".data-" in f)
         report["restored"] = _restore_all(tf, keras, {"two_ps": target}, make_model, scope)
+        # Training resumed from the checkpoint goes on exactly as the saved model does.
+        resumed = _restore(tf, keras, "write", target, make_model, scope)
+        for m in (model, resumed):
+            m.fit(ids, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        report["resumed_max_error"] = max(
+            float(np.max(np.abs(a - b))) for a, b in zip(_state(model), _state(resumed)))
         if not _tf_keras():
             report["storage"] = _storage_errors(tf, model, directory)
     elif phase == "restore":
@@ -237,7 +245,8 @@ def _phase(phase, directory, ps=None, tf_keras=False):
                    sys.executable] + command
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                TF_USE_LEGACY_KERAS="1" if tf_keras else "0",
-               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+               PYTHONPATH=os.pathsep.join(
+                   [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("TF_CONFIG", None)
     run = subprocess.run([sys.executable] + command, env=env, capture_output=True,
                          text=True, timeout=900, cwd=ROOT)
@@ -278,6 +287,14 @@ def test_round_trip_on_the_cluster(reports):
     assert reports["save"]["saved_shards"] == 2
     _assert_equal_to_saved(reports["save"]["restored"],
                            [f"two_ps/{f}" for f in FORMATS], shards=2)
+
+
+def test_training_resumed_from_a_checkpoint_goes_on_as_before(reports):
+    assert reports["save"]["resumed_max_error"] <= 1e-6
+
+
+def test_tf_keras_training_resumed_from_a_checkpoint_goes_on_as_before(tf_keras_reports):
+    assert tf_keras_reports["save"]["resumed_max_error"] <= 1e-6
 
 
 def test_each_ps_writes_its_own_rows(reports):
