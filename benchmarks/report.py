@@ -413,6 +413,12 @@ def readme(runs, images):
              "against W, examples/s per worker, several steps per call): "
              "[scaling.md](scaling.md), from `python -m benchmarks.scaling`, whose runs "
              "are kept in `scaling/`.",
+             "- **Checkpoint memory** (peak RSS of the chief and each ps while saving and "
+             "restoring 256 MiB and 1 GiB tables, before and after checkpoints were written "
+             "on the ps): [checkpoint_memory.md](checkpoint_memory.md), from `python -m "
+             "benchmarks.checkpoint_memory`; **table sizes** (one step's time and memory "
+             "against the table's size): [table_scaling.md](table_scaling.md), from "
+             "`python -m benchmarks.table_scaling`.",
              ""]
     rows = targets(runs)
     if rows:
