@@ -285,6 +285,8 @@ def test_a_chief_stopped_longer_than_the_chief_timeout_exits_75_when_it_resumes(
                 chief.wait()
     assert chief.returncode == 75, stderr[-3000:]
     assert "trained again" not in stdout
-    assert "HybridStrategy: lost " in stderr and " during training (" in stderr
+    # Either the step fails on servers that forgot the chief, or the monitor, resuming too,
+    # finds one still starting afresh.
+    assert "HybridStrategy: lost " in stderr or " stopped answering for 10 s:" in stderr
     assert "/job:ps/task:0 at " in stderr or "/job:worker/task:" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
