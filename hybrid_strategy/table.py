@@ -692,8 +692,14 @@ def check_embedding_ids(embedding_class, applies):
     @functools.wraps(call)
     def call_checking_ids(self, inputs):
         if applies():
-            inputs = checked_ids(inputs, self.input_dim, f"table {self.name}/embeddings")
+            inputs = checked_ids(inputs, self.input_dim, f"table {_path_of(self.embeddings)}")
         return call(self, inputs)
 
     call_checking_ids._checks_ids = True
     embedding_class.call = call_checking_ids
+
+
+def _path_of(weight):
+    """A weight's name as users see it in `model.weights`: Keras 3's path (which a PS
+    table's path is too), or tf_keras' variable name without its ":0"."""
+    return getattr(weight, "path", None) or weight.name.rsplit(":", 1)[0]
