@@ -20,14 +20,13 @@ Restored weights, optimizer slots and iterations must equal the saved ones exact
 import contextlib
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from runs import json_report, on_cluster
+
 VOCAB, SMALL_VOCAB, DIM, SEQ, BATCH, EPOCHS = 1001, 37, 8, 3, 32, 2
 # Small enough that the 32 KB table is dealt over every ps; the 592-byte one stays whole.
 MIN_SHARD_BYTES = 1024
@@ -241,20 +240,9 @@ def main(argv):
 def _phase(phase, directory, ps=None, tf_keras=False):
     command = [os.path.abspath(__file__), phase, directory]
     if ps is not None:
-        command = ["-m", "hybrid_strategy.launch", "--workers", "1", "--ps", str(ps), "--",
-                   sys.executable] + command
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               TF_USE_LEGACY_KERAS="1" if tf_keras else "0",
-               PYTHONPATH=os.pathsep.join(
-                   [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    env.pop("TF_CONFIG", None)
-    run = subprocess.run([sys.executable] + command, env=env, capture_output=True,
-                         text=True, timeout=900, cwd=ROOT)
-    if run.returncode != 0:
-        pytest.fail(f"checkpoint phase {phase} (ps={ps}, tf_keras={tf_keras}) exited "
-                    f"{run.returncode}:\n"
-                    f"{run.stderr[-6000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+        command = on_cluster(*command, workers=1, ps=ps)
+    return json_report(command, f"checkpoint phase {phase} (ps={ps}, tf_keras={tf_keras})",
+                       "tf_keras" if tf_keras else "keras3")
 
 
 @pytest.fixture(scope="module")

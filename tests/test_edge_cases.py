@@ -5,41 +5,29 @@ of a 2-worker + 1-ps cluster (a module fixture), and once more, for the mixed
 precision reference, under tf.distribute.MirroredStrategy over two local CPUs.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from runs import json_report, on_cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 SCENARIO = os.path.join(HERE, "edge_scenario.py")
 TOLERANCE = 1e-5
 OUT_OF_RANGE = ("embedding id out of range for table {table} (500 rows): "
                 "ids must be in [0, 500)")
 
 
-def _run(arguments, flavour, what):
-    # The chief imports the package from this checkout, not an installed copy.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT,
-               TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
-    env.pop("TF_CONFIG", None)
-    run = subprocess.run([sys.executable] + arguments, env=env, capture_output=True,
-                         text=True, timeout=1200, cwd=ROOT)
-    if run.returncode != 0:
-        pytest.fail(f"{what} ({flavour}) exited {run.returncode}:\n{run.stderr[-6000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
 def report(request, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp(request.param))
-    result = _run(["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1", "--",
-                   sys.executable, SCENARIO, out_dir], request.param, "edge cases on a cluster")
-    reference = _run([SCENARIO, "--mirrored-reference", out_dir], request.param,
-                     "the MirroredStrategy reference")
+    result = json_report(on_cluster(SCENARIO, out_dir, workers=2, ps=1),
+                         f"edge cases on a cluster ({request.param})", request.param,
+                         timeout=1200)
+    reference = json_report([SCENARIO, "--mirrored-reference", out_dir],
+                            f"the MirroredStrategy reference ({request.param})",
+                            request.param, timeout=1200)
     assert result["replicas"] == 2
     return result, reference
 

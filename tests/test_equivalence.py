@@ -6,32 +6,25 @@ the scenario as the chief, or on this machine alone with two CPU replicas. The
 tests then check the report against the single-device reference it contains.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import scenario
+from runs import json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "scenario.py")
 TOLERANCE = 1e-5
 
 
-def on_cluster(workers, ps):
-    return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps),
-            "--", sys.executable, SCENARIO]
-
-
 # name -> (launch arguments, Keras flavour)
 SHAPES = {
-    "2workers_1ps": (on_cluster(2, 1), "keras3"),
-    "2workers_2ps": (on_cluster(2, 2), "keras3"),
-    "2workers_3ps": (on_cluster(2, 3), "keras3"),
+    "2workers_1ps": (on_cluster(SCENARIO, ps=1), "keras3"),
+    "2workers_2ps": (on_cluster(SCENARIO, ps=2), "keras3"),
+    "2workers_3ps": (on_cluster(SCENARIO, ps=3), "keras3"),
     "one_machine": ([SCENARIO, "--local-replicas", "2"], "keras3"),
-    "tf_keras_2workers_2ps": (on_cluster(2, 2), "tf_keras"),
+    "tf_keras_2workers_2ps": (on_cluster(SCENARIO, ps=2), "tf_keras"),
     "tf_keras_one_machine": ([SCENARIO, "--local-replicas", "2"], "tf_keras"),
 }
 
@@ -39,15 +32,7 @@ SHAPES = {
 @pytest.fixture(scope="session", params=list(SHAPES))
 def report(request):
     arguments, flavour = SHAPES[request.param]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
-    env.pop("TF_CONFIG", None)
-    run = subprocess.run([sys.executable] + arguments, env=env, capture_output=True,
-                         text=True, timeout=900, cwd=os.path.dirname(HERE))
-    if run.returncode != 0:
-        pytest.fail(f"scenario on {request.param} exited {run.returncode}:\n"
-                    f"{run.stderr[-6000:]}")
-    return request.param, json.loads(run.stdout.strip().splitlines()[-1])
+    return request.param, json_report(arguments, f"scenario on {request.param}", flavour)
 
 
 def num_ps(shape):

@@ -132,7 +132,7 @@ def test_cli_restarts_after_exit_75_but_not_after_another_failure():
 # waits for a line on stdin so that the test can look from outside meanwhile.
 LISTENERS = REPORT + (
     "import socket\n"
-    f"from tests.test_launch import listening_ports\n"
+    "from tests.test_launch import listening_ports\n"
     "print(json.dumps({'interfaces': [name for _, name in socket.if_nameindex()],\n"
     "                  'listening': sorted(listening_ports())}), flush=True)\n"
     "sys.stdin.readline()\n"

@@ -9,41 +9,27 @@ serves the held-out ids. Its outputs must equal the trained model's predictions.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from runs import environ, json_report, on_cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TOLERANCE = 1e-5
-
-
-def _last_json_line(run, what):
-    if run.returncode != 0:
-        pytest.fail(f"{what} exited {run.returncode}:\n{run.stderr[-6000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
 def served(request, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp(request.param))
-    # The chief imports the package from this checkout, not an installed copy.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT,
-               TF_USE_LEGACY_KERAS="1" if request.param == "tf_keras" else "0")
-    env.pop("TF_CONFIG", None)
-    train = subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
-         "--", sys.executable, os.path.join(HERE, "serving_scenario.py"), out_dir],
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    trained = _last_json_line(train, f"training on the cluster ({request.param})")
-    serve_env = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "TF_CONFIG")}
-    serve = subprocess.run(
-        [sys.executable, os.path.join(HERE, "serve_saved_model.py"),
-         json.dumps(trained["held_out"])] + list(trained["exports"].values()),
-        env=serve_env, capture_output=True, text=True, timeout=600, cwd=out_dir)
-    return request.param, trained, _last_json_line(serve, "serving")
+    trained = json_report(on_cluster(os.path.join(HERE, "serving_scenario.py"), out_dir,
+                                     workers=2, ps=1),
+                          f"training on the cluster ({request.param})", request.param)
+    serve_env = {k: v for k, v in environ(request.param).items() if k != "PYTHONPATH"}
+    served = json_report([os.path.join(HERE, "serve_saved_model.py"),
+                          json.dumps(trained["held_out"])] + list(trained["exports"].values()),
+                         "serving", env=serve_env, timeout=600, cwd=out_dir)
+    return request.param, trained, served
 
 
 def test_every_export_path_of_the_flavour_was_written(served):

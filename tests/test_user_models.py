@@ -8,19 +8,16 @@ real cluster of 2 workers and 2 ps started by the launcher; under tf_keras on on
 machine. The in-process tests below check placement overrides on one device.
 """
 
-import json
 import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 import pytest
 
 import user_models
+from runs import json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "user_models.py")
 TOLERANCE = 1e-5
 CASES = [f"{model}/{optimizer}" for model in user_models.MODELS
@@ -28,8 +25,7 @@ CASES = [f"{model}/{optimizer}" for model in user_models.MODELS
 # name -> (arguments after python, Keras flavour, ps tasks)
 SHAPES = {
     "one_machine": ([SCRIPT, "--local-replicas", "2"], "keras3", 0),
-    "2workers_2ps": (["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "2", "--",
-                      sys.executable, SCRIPT], "keras3", 2),
+    "2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "keras3", 2),
     "tf_keras_one_machine": ([SCRIPT, "--local-replicas", "2"], "tf_keras", 0),
 }
 
@@ -48,16 +44,9 @@ def run_shape(shape):
     """(shape, flavour, ps tasks, report) of `tests/user_models.py` on `shape`, run once."""
     if shape not in _REPORTS:
         arguments, flavour, num_ps = SHAPES[shape]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT,
-                   TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
-        env.pop("TF_CONFIG", None)
-        run = subprocess.run([sys.executable] + arguments, env=env, capture_output=True,
-                             text=True, timeout=1800, cwd=ROOT)
-        if run.returncode != 0:
-            pytest.fail(f"user_models on {shape} exited {run.returncode}:\n"
-                        f"{run.stderr[-6000:]}")
         _REPORTS[shape] = (shape, flavour, num_ps,
-                           json.loads(run.stdout.strip().splitlines()[-1]))
+                           json_report(arguments, f"user_models on {shape}", flavour,
+                                       timeout=1800))
     return _REPORTS[shape]
 
 

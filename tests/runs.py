@@ -1,0 +1,44 @@
+"""Runs a test scenario in a fresh Python process and reads the JSON report it prints last.
+
+Scenarios run as the chief of a local cluster (`on_cluster`) or alone, under Keras 3 or
+tf_keras, and always import the package from this checkout:
+
+    report = json_report(on_cluster("tests/scenario.py", workers=2, ps=1), "scenario")
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def on_cluster(script, *args, workers=2, ps=1):
+    """The arguments after `python` that run `script` as the chief of a local cluster."""
+    return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps), "--",
+            sys.executable, script, *args]
+
+
+def environ(flavour="keras3"):
+    """This process's environment for a scenario: the package from this checkout first on
+    PYTHONPATH, `tf.keras` as Keras 3 or tf_keras, and no TF_CONFIG of its own."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")]
+                                                    if p]))
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=ROOT):
+    """Runs `python *arguments`; fails the test with its stderr if it fails, else returns
+    the last line it printed, parsed as JSON. `what` names the run in the failure."""
+    run = subprocess.run([sys.executable] + list(arguments),
+                         env=environ(flavour) if env is None else env,
+                         capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if run.returncode != 0:
+        pytest.fail(f"{what} exited {run.returncode}:\n{run.stderr[-6000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
