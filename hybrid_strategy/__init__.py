@@ -17,6 +17,7 @@ launcher can check their arguments before TensorFlow loads.
 import importlib
 
 _EXPORTS = {
+    "CheckpointStorageError": "hybrid_strategy.checkpointing",
     "ClusterConfig": "hybrid_strategy.cluster",
     "ClusterConfigError": "hybrid_strategy.cluster",
     "EXIT_TASK_LOST": "hybrid_strategy.cluster",
