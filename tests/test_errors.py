@@ -75,7 +75,7 @@ def words_model(optimizer):
             keras.layers.Embedding(10, 2, name="words"),
             keras.layers.Flatten(),
             keras.layers.Dense(1),
-        ])
+        ], name="words_model")  # Keras numbers unnamed models per process
         model.compile(optimizer=optimizer, loss="mse")
     return model
 
@@ -85,7 +85,7 @@ def test_embedding_id_out_of_range_names_the_table(monkeypatch):
     model = words_model("sgd")
     ids = np.array([[1, 2], [3, 12]], "int32")
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"embedding id out of range for table sequential/words/embeddings "
+                       match=r"embedding id out of range for table words_model/words/embeddings "
                              r"\(10 rows\): ids must be in \[0, 10\)"):
         model.fit(ids, np.zeros((2, 1)), batch_size=2, verbose=0)
 

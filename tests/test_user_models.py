@@ -221,7 +221,7 @@ def test_a_ps_override_on_a_variable_without_rows_is_a_clear_error():
     keras = user_models.keras
     with pytest.raises(ValueError) as error:
         with strategy.scope():
-            keras.Sequential([keras.Input((3,)), _Temperature(name="temp")])
+            keras.Sequential([keras.Input((3,)), _Temperature(name="temp")], name="scaled")
     message = str(error.value)
     assert "placement_overrides['*temperature'] = 'ps'" in message
-    assert "'sequential/temp/temperature'" in message and "needs at least one dimension" in message
+    assert "'scaled/temp/temperature'" in message and "needs at least one dimension" in message
