@@ -10,10 +10,47 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The start of a chief program: a strategy that reports a task silent for 10 s, and a
+# compiled model with a table, with its data `x`, `y`.
+SMALL_CHIEF = textwrap.dedent("""
+    import json, os, signal, sys
+    import numpy as np
+    import tensorflow as tf
+    import hybrid_strategy
+    keras = tf.keras
+    strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(1000, 8),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.random.randint(0, 1000, (256, 4)).astype("int32")
+    y = np.zeros((256, 1), "float32")
+""")
+
+# A chief (arguments: VICTIM SIGNAL) that trains, sends SIGNAL (SIGKILL, SIGSTOP) to server
+# number VICTIM of the launcher's cluster (workers first, then ps) at its 4th step, prints
+# that server's [job, index, address] and trains on.
+FAULTY_CHIEF = SMALL_CHIEF + textwrap.dedent("""
+    victim, signum = int(sys.argv[1]), signal.Signals[sys.argv[2]]
+    pid = int(os.environ["HYBRID_STRATEGY_SERVER_PIDS"].split(",")[victim])
+    task = [t for t in strategy.cluster.tasks() if t[0] != "chief"][victim]
+
+    class Fault(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                os.kill(pid, signum)
+                print(json.dumps(task), flush=True)
+
+    model.fit(x, y, batch_size=32, epochs=10_000, verbose=0, callbacks=[Fault()])
+    print("training went on without the task")
+""")
 
 
 def on_cluster(script, *args, workers=2, ps=1):

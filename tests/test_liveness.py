@@ -17,49 +17,24 @@ import pytest
 import hybrid_strategy
 from hybrid_strategy import cluster
 from hybrid_strategy.launch import LocalCluster
+from runs import FAULTY_CHIEF, SMALL_CHIEF
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
 
-# Trains and stops (SIGSTOP) worker 1 in the middle of an epoch: the kernel still accepts
-# connections for it, TensorFlow waits for it forever.
-HANGING_CHIEF = textwrap.dedent("""
-    import json, os, signal, sys
-    import numpy as np
-    import tensorflow as tf
-    import hybrid_strategy
-    keras = tf.keras
-    strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,), dtype="int32"),
-                                  keras.layers.Embedding(1000, 8),
-                                  keras.layers.Flatten(), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
-    x = np.random.randint(0, 1000, (256, 4)).astype("int32")
-    y = np.zeros((256, 1), "float32")
-    pid = int(os.environ["HYBRID_STRATEGY_SERVER_PIDS"].split(",")[1])
-
-    class Stop(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 3:
-                os.kill(pid, signal.SIGSTOP)
-                print("stopped", flush=True)
-
-    model.fit(x, y, batch_size=32, epochs=10_000, verbose=0, callbacks=[Stop()])
-    print("training went on without the task")
-""")
-
-
 def test_a_hung_worker_ends_the_chief_with_exit_75_naming_it():
     with LocalCluster(workers=2, ps=1) as local:
         stopped_pid = local.pids[1]
-        chief = subprocess.Popen([sys.executable, "-c", HANGING_CHIEF],
+        # SIGSTOP: the kernel still accepts connections for the worker, TensorFlow would
+        # wait for it forever.
+        chief = subprocess.Popen([sys.executable, "-c", FAULTY_CHIEF, "1", "SIGSTOP"],
                                  env=local.chief_environ(ENV), cwd=REPO,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
         try:
             ready, _, _ = select.select([chief.stdout], [], [], 180)
-            assert ready and chief.stdout.readline() == "stopped\n", chief.stderr.read()
+            assert ready and json.loads(chief.stdout.readline())[:2] == ["worker", 1], \
+                chief.stderr.read()
             # task_timeout=10, probes every 2 s: the chief ends well within 40 s.
             _, stderr = chief.communicate(timeout=40)
         finally:
@@ -244,20 +219,7 @@ def test_servers_start_afresh_when_their_chief_is_gone(capfd):
 
 
 # Trains one epoch, waits for a line on stdin, trains again.
-PAUSED_CHIEF = textwrap.dedent("""
-    import sys
-    import numpy as np
-    import tensorflow as tf
-    import hybrid_strategy
-    keras = tf.keras
-    strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((4,), dtype="int32"),
-                                  keras.layers.Embedding(1000, 8),
-                                  keras.layers.Flatten(), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
-    x = np.random.randint(0, 1000, (256, 4)).astype("int32")
-    y = np.zeros((256, 1), "float32")
+PAUSED_CHIEF = SMALL_CHIEF + textwrap.dedent("""
     model.fit(x, y, batch_size=32, verbose=0)
     print("trained", flush=True)
     sys.stdin.readline()
