@@ -532,7 +532,7 @@ def _install_keras_hooks():
     checkpointing.install_hooks()
     multi_step.install(_spans_devices)
     clipping.install_keras_hook(_under_hybrid_strategy)
-    batches.install_keras_hooks()
+    batches.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
     legacy = batches.legacy_keras()
     for keras_module in (keras, legacy) if legacy is not None else (keras,):
         table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)

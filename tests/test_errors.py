@@ -110,3 +110,14 @@ def test_unsupported_optimizer_on_a_ps_table_is_named(monkeypatch):
     model = words_model("ftrl")
     with pytest.raises(hybrid_strategy.UnsupportedOptimizerError, match="Ftrl"):
         model.fit(np.array([[1, 2]], "int32"), np.zeros((1, 1)), verbose=0)
+
+
+def test_a_dataset_a_filter_empties_is_refused_with_a_clear_error(monkeypatch):
+    # tf.data cannot tell it empty before reading it; Keras 3 alone would end fit with a
+    # bare StopIteration.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    model = words_model("sgd")
+    ids = np.zeros((8, 2), "int32")
+    dataset = tf.data.Dataset.from_tensor_slices((ids, np.zeros((8, 1), "float32")))
+    with pytest.raises(ValueError, match=r"HybridStrategy: the dataset is empty"):
+        model.fit(dataset.filter(lambda x, y: False).batch(4), verbose=0)
