@@ -31,9 +31,9 @@ Keras 3 steps also cost this process less per worker, N = 1 included:
   steps and the batches they pass on) runs there, not on this process.
 """
 
-import os
-
 import tensorflow as tf
+
+from hybrid_strategy import batches
 
 _installed = False
 
@@ -50,8 +50,9 @@ def install(unrolls):
         return
     _installed = True
     _install_keras3(unrolls)
-    if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes"):
-        _install_tf_keras(unrolls)
+    legacy = batches.legacy_keras()
+    if legacy is not None:
+        _install_tf_keras(legacy, unrolls)
 
 
 def unrolled_steps(steps, first_step, later_step):
@@ -197,9 +198,7 @@ def _keras3_function(model, step_function, trainer_lib):
     return function
 
 
-def _install_tf_keras(unrolls):
-    import tf_keras
-
+def _install_tf_keras(tf_keras, unrolls):
     model_class = tf_keras.Model
     for name in ("make_train_function", "make_test_function"):
         setattr(model_class, name, _tf_keras_maker(getattr(model_class, name), name, unrolls))
