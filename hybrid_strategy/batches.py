@@ -11,7 +11,7 @@ the split was even and fails with a clear error otherwise. Sum losses are exact
 whatever the split, and `evaluate` weights each replica's mean by its number of
 examples, so neither is checked. An empty dataset, and a dataset whose batches are
 smaller than the number of replicas, are refused before they are used (an empty one
-that tf.data cannot tell from its definition, when Keras 3 reads its first batch).
+that tf.data cannot tell from its definition, at the first step: keras_input.py).
 """
 
 import os
@@ -26,9 +26,9 @@ from tensorflow.python.eager import record
 
 # Keras 3's mean reductions (keras.src.losses.loss.reduce_values).
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-_EMPTY = ("HybridStrategy: the dataset is empty (no batch to train, evaluate or predict "
-          "on). Check the files or arrays it reads, and filters or `take`/`skip` that may "
-          "drop every example.")
+EMPTY = ("HybridStrategy: the dataset is empty (no batch to train, evaluate or predict "
+         "on). Check the files or arrays it reads, and filters or `take`/`skip` that may "
+         "drop every example.")
 
 
 def replica_batch_sizes(args, kwargs, num_replicas):
@@ -57,7 +57,7 @@ def check_dataset(dataset, num_replicas):
     smaller than the replicas leaves some without examples in every step.
     """
     if int(dataset.cardinality()) == 0:
-        raise ValueError(_EMPTY)
+        raise ValueError(EMPTY)
     batch_size = int(data_distribute.compute_batch_size(dataset))  # -1: unknown
     if 0 < batch_size < num_replicas:
         raise ValueError(
@@ -102,30 +102,10 @@ def legacy_keras():
     return None
 
 
-def install_keras_hooks(applies):
-    """Makes Keras 3's and tf_keras' mean loss reductions call `checked_split`, and
-    Keras 3's first read of a dataset refuse one found empty while `applies(strategy)`."""
-    # Keras-private: the function that reduces per-example losses (Keras 3), and the
-    # trainer whose build reads a first batch outside its guard against running out.
-    from keras.src.backend.tensorflow import trainer as keras_trainer
+def install_keras_hooks():
+    """Makes Keras 3's and tf_keras' mean loss reductions call `checked_split`."""
+    # Keras-private: the function that reduces per-example losses (Keras 3).
     from keras.src.losses import loss as keras_loss
-
-    trainer_class = keras_trainer.TensorFlowTrainer
-    if not getattr(trainer_class._maybe_symbolic_build, "_checks_empty", False):
-        symbolic_build = trainer_class._maybe_symbolic_build
-
-        def symbolic_build_refusing_empty(self, iterator=None, data_batch=None):
-            try:
-                return symbolic_build(self, iterator=iterator, data_batch=data_batch)
-            except StopIteration:
-                # A dataset tf.data could not tell empty from its definition (a filter
-                # that drops every example): Keras would end fit with a bare StopIteration.
-                if applies(self.distribute_strategy):
-                    raise ValueError(_EMPTY) from None
-                raise
-
-        symbolic_build_refusing_empty._checks_empty = True
-        trainer_class._maybe_symbolic_build = symbolic_build_refusing_empty
 
     if not getattr(keras_loss.reduce_values, "_checks_split", False):
         reduce_values = keras_loss.reduce_values

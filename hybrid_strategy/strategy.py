@@ -52,11 +52,13 @@ from hybrid_strategy import clipping
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import creation
+from hybrid_strategy import keras_input
 from hybrid_strategy import liveness
 from hybrid_strategy import multi_step
 from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
+from hybrid_strategy import worker_input
 
 _LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 _CHIEF_JOB = "chief"
@@ -264,9 +266,16 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         finally:
             self.step_batch_sizes = None
 
+    @property
+    def input_hosts(self):
+        """(input device, its replicas' devices) of every worker, in replica order."""
+        return self._input_workers_devices
+
     def _experimental_distribute_dataset(self, dataset, options):
         batches.check_dataset(dataset, self._num_replicas_in_sync)
-        return super()._experimental_distribute_dataset(dataset, options)
+        # Each worker builds only its own batches (worker_input.py).
+        return worker_input.distribute_dataset(
+            self, dataset, options, super()._experimental_distribute_dataset)
 
     # Variable creation -------------------------------------------------------
 
@@ -512,8 +521,10 @@ def _install_keras_hooks():
     (table.py), moving a mirrored variable read by row to a PS (`move_to_ps`), the
     layer each weight belongs to (creation.py), clipping of the summed gradient
     (clipping.py), id checks in Embedding layers (table.py), the even split of
-    batches (batches.py), tables in Keras weight files (checkpointing.py) and
-    several steps per call without a tf.while_loop (multi_step.py).
+    batches (batches.py), models built without reading a batch and arrays sent to
+    each worker as its share (keras_input.py), tables in Keras weight files
+    (checkpointing.py) and several steps per call without a tf.while_loop
+    (multi_step.py).
     """
     import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
 
@@ -523,7 +534,8 @@ def _install_keras_hooks():
     checkpointing.install_hooks()
     multi_step.install(_spans_devices)
     clipping.install_keras_hook(_under_hybrid_strategy)
-    batches.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
+    batches.install_keras_hooks()
+    keras_input.install(lambda strategy: isinstance(strategy, HybridStrategy))
     legacy = batches.legacy_keras()
     for keras_module in (keras, legacy) if legacy is not None else (keras,):
         table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)

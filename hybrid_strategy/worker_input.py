@@ -1,0 +1,136 @@
+"""Datasets distributed over the workers so that each worker builds only its own batches.
+
+`distribute_dataset` is what `HybridStrategy.experimental_distribute_dataset` (and so
+Keras' `fit`, `evaluate` and `predict`) does with a `tf.data.Dataset` on a cluster of
+several workers: it reads the dataset's graph (input_graph.py), lets input_plan.py decide
+how each worker gets its share, and either gives each worker its own version of the
+graph (the SHARE plan: the worker's blocks of every global batch, batched on the
+worker, split over its replicas) or hands the dataset to TensorFlow's own distribution
+(sharding by file, OFF, HINT, and what the share cannot be taken in).
+
+```python
+strategy = hybrid_strategy.HybridStrategy()       # 2 workers in TF_CONFIG
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).map(augment).batch(64)
+for batch in strategy.experimental_distribute_dataset(dataset):
+    ...  # each worker sliced, mapped and batched only its 32 examples of each batch
+```
+"""
+
+import random
+import warnings
+
+import tensorflow as tf
+
+# TF-private: a dataset re-created on a device from a serialized graph, as TensorFlow's
+# `replicate` makes it on each worker.
+from tensorflow.python.data.experimental.ops import distribute as data_distribute
+
+from hybrid_strategy import input_graph
+from hybrid_strategy import input_plan
+
+
+class InputShardingWarning(UserWarning):
+    """How a dataset is split over the workers, when the user may want it otherwise."""
+
+
+_shown = set()
+
+
+def show_once(message):
+    """Warns with `message` (an InputShardingWarning) once per process."""
+    if message and message not in _shown:
+        _shown.add(message)
+        warnings.warn(message, InputShardingWarning, stacklevel=3)
+
+
+def distribute_dataset(extended, dataset, options, tensorflow_distribute):
+    """`dataset` distributed over the workers of `extended` (a HybridExtended).
+
+    Args:
+        extended: The strategy's extended object.
+        dataset: A batched `tf.data.Dataset` (global batches).
+        options: The `tf.distribute.InputOptions` given, or None.
+        tensorflow_distribute: `tensorflow_distribute(dataset, options)`, TensorFlow's
+            own distribution of a dataset.
+    Raises:
+        input_plan.ShardingError: The auto_shard_policy FILE cannot be honoured.
+    """
+    hosts = extended.input_hosts
+    replicas = {len(devices) for _, devices in hosts}
+    if len(hosts) < 2 or len(replicas) != 1:
+        return tensorflow_distribute(dataset, options)
+    policy = dataset.options().experimental_distribute.auto_shard_policy.name
+    graph = input_graph.DatasetGraph(dataset)
+    pipeline = graph.pipeline(policy, lambda graph_def, spec: _count(hosts[0][0], graph_def,
+                                                                     spec))
+    decided = input_plan.plan(pipeline, len(hosts), replicas.pop())
+    show_once(decided.notice)
+    element_spec = _per_replica_spec(dataset.element_spec)
+    if decided.how != input_plan.SHARE or element_spec is None:
+        if decided.tf_policy != policy:
+            dataset = dataset.with_options(_policy_options(decided.tf_policy))
+        return tensorflow_distribute(dataset, options)
+    graph.prepare(decided, seed=random.SystemRandom().randrange(1, 1 << 62))
+
+    def worker_dataset(context):
+        worker = context.input_pipeline_id
+        shared = data_distribute._RemoteDataset(  # pylint: disable=protected-access
+            graph.worker_graph(worker), hosts[worker][0], element_spec)
+        return split_over_replicas(shared, decided.replicas_per_worker)
+
+    return extended._distribute_datasets_from_function(  # pylint: disable=protected-access
+        worker_dataset, options)
+
+
+def split_over_replicas(dataset, replicas):
+    """Each batch of `dataset` as `replicas` consecutive batches, as even as can be.
+
+    The larger ones first, as TensorFlow splits a batch over replicas (and as
+    input_plan.block_bounds counts), for full and partial batches alike.
+    """
+    if replicas == 1:
+        return dataset
+
+    def parts(*batch):
+        batch = batch if len(batch) > 1 else batch[0]
+        size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+
+        def part(replica):
+            start, end = input_plan.block_bounds(size, replicas, replica, 1,
+                                                 minimum=tf.minimum)
+            return tf.nest.map_structure(lambda t: t[start:end], batch)
+
+        return tf.data.Dataset.range(replicas).map(part)
+
+    return dataset.flat_map(parts)
+
+
+def _per_replica_spec(spec):
+    """`spec` with an unknown batch dimension, or None if an element has no batch dimension."""
+    try:
+        # TF-private: how TensorFlow itself makes a batch dimension unknown.
+        return tf.nest.map_structure(
+            lambda s: s._unbatch()._batch(None), spec)  # pylint: disable=protected-access
+    except ValueError:
+        return None
+
+
+def _policy_options(policy):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(
+        tf.data.experimental.AutoShardPolicy, policy)
+    return options
+
+
+def _count(device, graph_def, spec):
+    """Elements of the dataset `graph_def` makes (file names), counted on `device`."""
+    try:
+        with tf.device(device):
+            names = data_distribute._RemoteDataset(  # pylint: disable=protected-access
+                graph_def, device, spec)
+            count = int(names.cardinality())
+            if count == tf.data.UNKNOWN_CARDINALITY:
+                count = int(names.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+    except tf.errors.OpError:
+        return None
+    return count if count >= 0 else None
