@@ -26,6 +26,7 @@ _EXPORTS = {
     "PlacementPlan": "hybrid_strategy.placement",
     "Shard": "hybrid_strategy.placement",
     "HybridStrategy": "hybrid_strategy.strategy",
+    "InputShardingWarning": "hybrid_strategy.worker_input",
     "PlacementWarning": "hybrid_strategy.strategy",
     "UnsupportedOptimizerError": "hybrid_strategy.sparse_optimizers",
 }

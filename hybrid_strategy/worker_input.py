@@ -59,27 +59,46 @@ def distribute_dataset(extended, dataset, options, tensorflow_distribute):
     replicas = {len(devices) for _, devices in hosts}
     if len(hosts) < 2 or len(replicas) != 1:
         return tensorflow_distribute(dataset, options)
-    policy = dataset.options().experimental_distribute.auto_shard_policy.name
-    graph = input_graph.DatasetGraph(dataset)
-    pipeline = graph.pipeline(policy, lambda graph_def, spec: _count(hosts[0][0], graph_def,
-                                                                     spec))
-    decided = input_plan.plan(pipeline, len(hosts), replicas.pop())
-    show_once(decided.notice)
-    element_spec = _per_replica_spec(dataset.element_spec)
-    if decided.how != input_plan.SHARE or element_spec is None:
-        if decided.tf_policy != policy:
+    decided, worker_dataset = shares(dataset, [host for host, _ in hosts], replicas.pop())
+    if worker_dataset is None:
+        if decided.tf_policy != dataset.options().experimental_distribute.auto_shard_policy.name:
             dataset = dataset.with_options(_policy_options(decided.tf_policy))
         return tensorflow_distribute(dataset, options)
-    graph.prepare(decided, seed=random.SystemRandom().randrange(1, 1 << 62))
-
-    def worker_dataset(context):
-        worker = context.input_pipeline_id
-        shared = data_distribute._RemoteDataset(  # pylint: disable=protected-access
-            graph.worker_graph(worker), hosts[worker][0], element_spec)
-        return split_over_replicas(shared, decided.replicas_per_worker)
-
     return extended._distribute_datasets_from_function(  # pylint: disable=protected-access
-        worker_dataset, options)
+        lambda context: worker_dataset(context.input_pipeline_id), options)
+
+
+def shares(dataset, devices, replicas_per_worker):
+    """How `dataset` reaches one worker per device of `devices`.
+
+    Returns:
+        (the `input_plan.Plan`, `worker_dataset(i)`: worker i's dataset of per-replica
+        batches, made on `devices[i]`), the function None unless the plan is SHARE.
+    """
+    policy = dataset.options().experimental_distribute.auto_shard_policy.name
+    graph = input_graph.DatasetGraph(dataset)
+    pipeline = graph.pipeline(policy, lambda graph_def, spec: _count(devices[0], graph_def,
+                                                                     spec))
+    decided = input_plan.plan(pipeline, len(devices), replicas_per_worker)
+    show_once(decided.notice)
+    element_spec = _per_replica_spec(dataset.element_spec)
+    if decided.how != input_plan.SHARE:
+        return decided, None
+    if element_spec is None:  # elements without a batch dimension
+        return input_plan.Plan(input_plan.TENSORFLOW, tf_policy=input_plan.DATA,
+                               notice=decided.notice), None
+    graph.prepare(decided, seed=random.SystemRandom().randrange(1, 1 << 62))
+    graphs = [graph]
+
+    def worker_dataset(worker):
+        serialized = graphs[0].worker_graph(worker)
+        if worker == len(devices) - 1:
+            graphs.clear()  # TensorFlow keeps this function: let go of the graph's data
+        shared = data_distribute._RemoteDataset(  # pylint: disable=protected-access
+            serialized, devices[worker], element_spec)
+        return split_over_replicas(shared, replicas_per_worker)
+
+    return decided, worker_dataset
 
 
 def split_over_replicas(dataset, replicas):

@@ -203,8 +203,11 @@ def main(argv):
     strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
     filters = tuple(int(f) for f in FLAGS.filters)
 
-    train = make_dataset(FLAGS.examples, FLAGS.batch_size, FLAGS.image_size,
-                         FLAGS.num_classes, seed=FLAGS.seed, repeat=True)
+    train = common.per_worker_dataset(
+        strategy, lambda n, batch, seed: make_dataset(n, batch, FLAGS.image_size,
+                                                      FLAGS.num_classes, seed=seed,
+                                                      repeat=True),
+        FLAGS.batch_size, FLAGS.examples, FLAGS.seed)
     validation = make_dataset(FLAGS.validation_examples, FLAGS.batch_size, FLAGS.image_size,
                               FLAGS.num_classes, seed=FLAGS.seed + 1)
     keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights in every run

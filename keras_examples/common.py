@@ -1,5 +1,6 @@
-"""What the examples share: their common flags, the strategy, datasets, training and its
-final line, step timing and Zipf-like ids.
+"""What the examples share: their common flags, the strategy, datasets (per-worker input
+functions for the training data), training and its final line, step timing and Zipf-like
+ids.
 
 ```python
 from keras_examples import common
@@ -11,7 +12,10 @@ def define_flags():   # called under `if __name__ == "__main__":`, before app.ru
     ...                                               # the example's own flags
 
 strategy = common.make_strategy("hybrid", "hybrid")   # or "mirrored", "none"
-train = common.batched_dataset((x, y), FLAGS.batch_size, repeat=True)   # numpy arrays in
+train = common.per_worker_dataset(                    # each worker makes its own batches
+    strategy, lambda n, batch, seed: make_dataset(n, batch, seed=seed, repeat=True),
+    FLAGS.batch_size, FLAGS.examples, FLAGS.seed)
+validation = common.batched_dataset((x, y), FLAGS.batch_size)   # numpy arrays in
 last, steps_per_second = common.train(model, train, validation)   # fit, with --epochs ...
 common.print_final(last, ["val_auc", "val_loss"], steps_per_second, FLAGS.batch_size)
 ids = common.zipf_ids(np.random.default_rng(0), size=1000, count=64, exponent=1.1)
@@ -102,6 +106,33 @@ def batched_dataset(arrays, batch_size, repeat=False):
     options = tf.data.Options()
     options.deterministic = True
     return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def per_worker_dataset(strategy, make_dataset, global_batch, num_examples, seed):
+    """Generated training data as a per-worker input function: each worker makes its own.
+
+    `strategy.distribute_datasets_from_function` calls the input function once per
+    worker (input pipeline), on that worker: pipeline i generates `num_examples` / (number
+    of pipelines) examples of its own (numpy seed [seed, i]) and batches them by the
+    per-replica batch size, so no process generates or holds the whole set and no
+    worker builds batches for another. On one machine there is one pipeline.
+
+    Args:
+        strategy: Any tf.distribute strategy (HybridStrategy, MirroredStrategy, the
+            default one).
+        make_dataset: `make_dataset(num_examples, batch_size, seed)`: a dataset of
+            batches of `batch_size` examples.
+        global_batch: The global batch size, split over the replicas.
+        num_examples: Examples in all.
+        seed: The data's seed.
+    """
+    def dataset_fn(context):
+        pipelines = context.num_input_pipelines
+        return make_dataset(max(1, num_examples // pipelines),
+                            context.get_per_replica_batch_size(global_batch),
+                            [seed, context.input_pipeline_id])
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def train(model, train_data, validation_data, callbacks=()):

@@ -129,8 +129,10 @@ def main(argv):
     table_sizes = tuple(int(s) for s in FLAGS.table_sizes)
     hidden_units = tuple(int(u) for u in FLAGS.hidden_units)
 
-    train = make_dataset(FLAGS.examples, FLAGS.batch_size, table_sizes, FLAGS.num_dense,
-                         seed=FLAGS.seed, repeat=True)
+    train = common.per_worker_dataset(
+        strategy, lambda n, batch, seed: make_dataset(n, batch, table_sizes, FLAGS.num_dense,
+                                                      seed=seed, repeat=True),
+        FLAGS.batch_size, FLAGS.examples, FLAGS.seed)
     validation = make_dataset(FLAGS.validation_examples, FLAGS.batch_size, table_sizes,
                               FLAGS.num_dense, seed=FLAGS.seed + 1)
     keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights in every run

@@ -134,8 +134,10 @@ def main(argv):
     # First: on a cluster, connecting to it invalidates variables created before.
     strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
 
-    train = make_dataset(FLAGS.examples, FLAGS.batch_size, FLAGS.vocab_size, FLAGS.doc_len,
-                         seed=FLAGS.seed, repeat=True)
+    train = common.per_worker_dataset(
+        strategy, lambda n, batch, seed: make_dataset(n, batch, FLAGS.vocab_size,
+                                                      FLAGS.doc_len, seed=seed, repeat=True),
+        FLAGS.batch_size, FLAGS.examples, FLAGS.seed)
     validation = make_dataset(FLAGS.validation_examples, FLAGS.batch_size, FLAGS.vocab_size,
                               FLAGS.doc_len, seed=FLAGS.seed + 1)
     keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights in every run

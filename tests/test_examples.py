@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = ("recommender", "language_model", "cnn", "text_classifier")
+EXAMPLES = ("recommender", "language_model", "cnn", "text_classifier", "criteo")
 
 
 def test_examples_import_into_one_process():
@@ -59,6 +59,22 @@ def test_text_classifier_runs_as_a_program():
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
                             check=False)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1].startswith("final: val_auc=")
+
+
+def test_criteo_writes_its_shards_then_trains_from_them(tmp_path):
+    # Smaller: 26 tables of 50 rows, 2 shards of 128 records, 2 steps on one machine.
+    command = [sys.executable, os.path.join(REPO, "keras_examples", "criteo.py"),
+               f"--data_dir={tmp_path}", "--table_sizes=" + ",".join(["50"] * 26)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    for extra in (["--write_files", "--files=2", "--examples=256",
+                   "--validation_examples=128"],
+                  ["--epochs=1", "--steps_per_epoch=2", "--verbose=0", "--batch_size=64",
+                   "--hidden_units=16"]):
+        result = subprocess.run(command + extra, capture_output=True, text=True, timeout=300,
+                                env=env, check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert len(list((tmp_path / "train").glob("*.tfrecord"))) == 2
     assert result.stdout.splitlines()[-1].startswith("final: val_auc=")
 
 

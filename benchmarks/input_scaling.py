@@ -1,0 +1,350 @@
+"""Each worker's input CPU per step against the number of workers, and reads per record.
+
+    python -m benchmarks.input_scaling [--workers 1 2 4 8] [--inputs files one_file in_memory]
+        [--versions before after] [--records 131072] [--files 32]
+
+The model and data are keras_examples/criteo.py's (13 dense and 26 categorical features
+per record, 26 tables, global batch 512), fed three ways:
+
+  files      32 TFRecord shards, read with list_files -> interleave -> batch ->
+             parse_example (sharded by file: each worker reads its own shards);
+  one_file   the same pipeline over one shard (fewer files than workers);
+  in_memory  the parsed columns as numpy arrays, from_tensor_slices -> repeat -> batch
+             (the way the examples fed data before per-worker input functions).
+
+For every input, W and code version ("before": the `hybrid_strategy` package of the
+commit this branch forked from main, as benchmarks.checkpoint_memory exports it;
+"after": this checkout) it starts a cluster of W workers + 1 ps with
+`python -m hybrid_strategy.launch` and runs this file as its chief (`--chief`), which
+
+1. iterates the distributed dataset for one pass over the records with a step that only
+   fetches every replica's batch (each worker's CPU time over the pass, per step, is
+   its input pipeline's: the tf.data threads do not have their own names to read them
+   apart from the rest), counting the bytes the workers read (rchar, /proc/PID/io: every
+   read() call, files and sockets alike) against the bytes of the files;
+2. trains `--steps` steps (after `--warmup`) and reads each worker's CPU per step.
+
+Results: benchmarks/results/input_scaling.json and .md, and input_scaling.png (input CPU
+per worker per step against W; a line 1/W through W = 1 beside it). CPU time holds on a
+machine shared with other programs; wall-clock examples/s does not.
+"""
+
+import argparse
+import glob
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import checkpoint_memory
+from benchmarks import machine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+INPUTS = ("files", "one_file", "in_memory")
+GLOBAL_BATCH = 512
+_RESULT_PREFIX = "input_scaling result: "
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# Chief ------------------------------------------------------------------------------
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _read_bytes(pid):
+    with open(f"/proc/{pid}/io") as f:
+        return int(dict(line.split(": ") for line in f.read().splitlines())["rchar"])
+
+
+class Sampler:
+    """Each worker's CPU seconds and bytes read since `start()`."""
+
+    def __init__(self, pids):
+        self.pids = pids
+        self._cpu = self._read = None
+
+    def start(self):
+        self._cpu = [_cpu_seconds(p) for p in self.pids]
+        self._read = [_read_bytes(p) for p in self.pids]
+
+    def cpu(self):
+        return [_cpu_seconds(p) - c for p, c in zip(self.pids, self._cpu)]
+
+    def read(self):
+        return [_read_bytes(p) - r for p, r in zip(self.pids, self._read)]
+
+
+def _in_memory_dataset(tf, criteo, records, repeat):
+    """criteo's records, parsed, as numpy arrays in a dataset (no files)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    columns = criteo.make_records(records, seed=[0, 1])
+    inputs = {name: columns[name].astype(np.int32) for name in criteo.CATEGORICAL}
+    inputs["dense"] = np.log1p(np.stack([columns[name] for name in criteo.DENSE], axis=1))
+    dataset = tf.data.Dataset.from_tensor_slices((inputs, columns["label"].astype("float32")))
+    if repeat:
+        dataset = dataset.repeat()
+    return dataset.batch(GLOBAL_BATCH, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def run_chief(options):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import keras  # pylint: disable=import-outside-toplevel
+    from keras_examples import criteo  # pylint: disable=import-outside-toplevel
+    import hybrid_strategy  # pylint: disable=import-outside-toplevel
+
+    servers = [int(p) for p in os.environ[checkpoint_memory.SERVER_PIDS_ENV].split(",")]
+    workers = servers[:options.num_workers]
+    strategy = hybrid_strategy.HybridStrategy()
+    pattern = os.path.join(options.data, "*.tfrecord")
+
+    def dataset(repeat):
+        if options.input == "in_memory":
+            return _in_memory_dataset(tf, criteo, options.records, repeat)
+        return criteo.make_dataset(pattern, GLOBAL_BATCH, repeat=repeat)
+
+    @tf.function
+    def fetch(iterator):
+        # Every replica's batch is made on its worker; only its size reaches this process.
+        sizes = strategy.run(lambda batch: tf.shape(batch[1])[0], args=(next(iterator),))
+        return strategy.experimental_local_results(sizes)
+
+    sampler = Sampler(workers)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset(repeat=False)))
+    examples, steps = sum(map(int, fetch(iterator))), 1   # the first step traces
+    sampler.start()
+    started = time.perf_counter()
+    while True:
+        try:
+            examples += sum(map(int, fetch(iterator)))
+        except (tf.errors.OutOfRangeError, StopIteration):
+            break
+        steps += 1
+    input_seconds = time.perf_counter() - started
+    input_cpu, read = sampler.cpu(), sampler.read()
+    file_bytes = (0 if options.input == "in_memory"
+                  else sum(os.path.getsize(p) for p in glob.glob(pattern)))
+    result = {
+        "input": options.input, "workers": options.num_workers, "steps": steps,
+        "examples": examples, "records": options.records,
+        "input_cpu_ms_per_step": [1000 * c / (steps - 1) for c in input_cpu],
+        "input_steps_per_s": (steps - 1) / input_seconds,
+        "file_bytes": file_bytes,
+        "reads_per_record": sum(read) / file_bytes if file_bytes else None,
+    }
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = criteo.build_model()
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == options.warmup - 1:
+                sampler.start()
+                self.started = time.perf_counter()
+            elif batch == options.warmup + options.steps - 1:
+                self.seconds = time.perf_counter() - self.started
+                self.cpu = sampler.cpu()
+
+    timer = Timer()
+    model.fit(dataset(repeat=True), epochs=1, steps_per_epoch=options.warmup + options.steps,
+              callbacks=[timer], verbose=0)
+    result["train_cpu_ms_per_step"] = [1000 * c / options.steps for c in timer.cpu]
+    result["train_examples_per_s"] = options.steps * GLOBAL_BATCH / timer.seconds
+    print(_RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# Driver -----------------------------------------------------------------------------
+
+
+def write_data(directory, records, files):
+    """The shards of the `files` and `one_file` inputs (criteo.write_files)."""
+    from keras_examples import criteo  # pylint: disable=import-outside-toplevel
+    paths = {"files": os.path.join(directory, "files"),
+             "one_file": os.path.join(directory, "one_file")}
+    for name, shards in (("files", files), ("one_file", 1)):
+        if not glob.glob(os.path.join(paths[name], "*.tfrecord")):
+            print(f"[input_scaling] writing {records} records in {shards} shard(s) to "
+                  f"{paths[name]}", file=sys.stderr, flush=True)
+            criteo.write_files(paths[name], shards, records // shards)
+    return paths
+
+
+def chief_command(options, kind, workers, data):
+    return [sys.executable, "-m", "hybrid_strategy.launch", "--workers", str(workers),
+            "--ps", "1", "--startup-timeout", "300", "--",
+            sys.executable, "-m", "benchmarks.input_scaling", "--chief", "--input", kind,
+            "--num-workers", str(workers), "--data", data, "--records", str(options.records),
+            "--steps", str(options.steps), "--warmup", str(options.warmup)]
+
+
+def measure(options, kind, workers, version, code_dir, data):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    # The package under test first, then this checkout for `benchmarks`, `keras_examples`.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH"))
+                                        if p)
+    command = chief_command(options, kind, workers, data)
+    shown = shlex.join(chief_command(options, kind, workers, "DATA"))
+    print(f"[input_scaling {kind} W={workers} {version}] {shown}", file=sys.stderr,
+          flush=True)
+    done = subprocess.run(command, env=env, cwd=code_dir, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=options.timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+    base = {"input": kind, "workers": workers, "version": version, "command": shown}
+    if done.returncode != 0 or not lines:
+        error = [line for line in done.stdout.splitlines() if "Error" in line]
+        return dict(base, error=(error or done.stdout.splitlines() or ["?"])[-1][:400])
+    result = json.loads(lines[-1][len(_RESULT_PREFIX):])
+    result.update(base, loadavg_after=list(os.getloadavg()))
+    print(f"[input_scaling {kind} W={workers} {version}] input CPU ms/step per worker "
+          f"{[round(c, 2) for c in result['input_cpu_ms_per_step']]}, reads per record "
+          f"{result['reads_per_record']}", file=sys.stderr, flush=True)
+    return result
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def markdown(runs, host, code, before, invocation):
+    lines = [
+        "# Input CPU per worker against the number of workers",
+        "",
+        f"`{invocation}`: W workers + 1 ps on loopback, keras_examples/criteo.py's model and "
+        f"records (global batch {GLOBAL_BATCH}), Keras 3. *input CPU* is each worker's "
+        "CPU time per step while the chief only fetches every replica's batch (one pass "
+        "over the records); *train CPU* is each worker's CPU time per training step; "
+        "*reads per record* is the bytes the workers read (rchar) over that pass, divided "
+        "by the bytes of the files. before = the `hybrid_strategy` package of commit "
+        f"{before}; after = commit {code['commit']}"
+        + (f" with {', '.join(code['modified_files'])} modified" if code["modified_files"]
+           else "") + ".",
+        "",
+        f"Machine: {machine.summary(host)}.",
+        "",
+        "| input | code | W | input CPU ms/step per worker (mean; each) | x W | reads per "
+        "record | train CPU ms/step per worker (mean) | train examples/s |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        if "error" in run:
+            lines.append(f"| {run['input']} | {run['version']} | {run['workers']} | failed: "
+                         f"{run['error'][:160].replace('|', '/')} | | | | |")
+            continue
+        each = ", ".join(f"{c:.2f}" for c in run["input_cpu_ms_per_step"])
+        mean = _mean(run["input_cpu_ms_per_step"])
+        reads = run["reads_per_record"]
+        lines.append(
+            f"| {run['input']} | {run['version']} | {run['workers']} | {mean:.2f} ({each}) | "
+            f"{mean * run['workers']:.2f} | {'n/a' if reads is None else f'{reads:.2f}'} | "
+            f"{_mean(run['train_cpu_ms_per_step']):.2f} | "
+            f"{run['train_examples_per_s']:,.0f} |")
+    lines += ["", "*x W*: the mean input CPU per worker times W, constant where each worker's "
+              "input CPU falls as 1/W. Commands (DATA: the shards' directory, written by "
+              "`criteo.write_files`):", ""]
+    lines += [f"- `{run['command']}`" for run in runs]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs, path):
+    try:
+        import matplotlib  # pylint: disable=import-outside-toplevel
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for (kind, version) in sorted({(r["input"], r["version"]) for r in runs}):
+        points = sorted((r["workers"], _mean(r["input_cpu_ms_per_step"])) for r in runs
+                        if r["input"] == kind and r["version"] == version and "error" not in r)
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        axes.plot(xs, ys, marker="o", linestyle="-" if version == "after" else "--",
+                  label=f"{kind} ({version})")
+        if version == "after" and xs[0] == 1:
+            axes.plot(xs, [ys[0] / x for x in xs], color="grey", linewidth=0.8,
+                      linestyle=":")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("workers W")
+    axes.set_ylabel("input CPU ms per step, per worker")
+    axes.set_title("Each worker's input pipeline CPU per step (dotted: 1/W)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--inputs", nargs="+", default=list(INPUTS), choices=INPUTS)
+    parser.add_argument("--versions", nargs="+", default=["before", "after"],
+                        choices=["before", "after"])
+    parser.add_argument("--before", default=None,
+                        help="commit whose package is 'before' (default: merge-base with main)")
+    parser.add_argument("--records", type=int, default=131072)
+    parser.add_argument("--files", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--data-dir", help="where the shards are written (default: a "
+                                           "temporary directory)")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--json", default=os.path.join(RESULTS, "input_scaling.json"))
+    parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--input", help=argparse.SUPPRESS)
+    parser.add_argument("--num-workers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    options = parse(argv)
+    if options.chief:
+        run_chief(options)
+        return
+    host, code = machine.describe(), machine.code_version()
+    before = options.before or subprocess.run(
+        ["git", "merge-base", "HEAD", "main"], cwd=REPO, check=True, text=True,
+        stdout=subprocess.PIPE).stdout.strip()
+    invocation = shlex.join(["python", "-m", "benchmarks.input_scaling"] + argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="input_scaling_") as scratch:
+        paths = write_data(options.data_dir or scratch, options.records, options.files)
+        paths["in_memory"] = paths["files"]  # not read: the records are made in memory
+        before_dir = os.path.join(scratch, "before")
+        if "before" in options.versions:
+            os.makedirs(before_dir)
+            checkpoint_memory.export_package(before, before_dir)
+        for kind in options.inputs:
+            for version in options.versions:
+                for workers in options.workers:
+                    code_dir = before_dir if version == "before" else REPO
+                    runs.append(measure(options, kind, workers, version, code_dir,
+                                        paths[kind]))
+    report = {"machine": host, "code": code, "before_commit": before,
+              "invocation": invocation, "runs": runs}
+    stem = os.path.splitext(options.json)[0]
+    with open(options.json, "w") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(runs, host, code, before, invocation)
+    image = plot(runs, stem + ".png")
+    if image:
+        text += f"\n![input CPU per worker against W]({os.path.basename(image)})\n"
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

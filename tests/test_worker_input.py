@@ -1,0 +1,116 @@
+"""Each worker builds only its own batches, on real clusters (tests/input_scenario.py).
+
+One cluster of 2 workers + 1 ps runs every case under Keras 3, another the cases of
+arrays, in-memory datasets and per-worker input functions under tf_keras; the tests
+read their reports. Examples are counted where the workers process them (a log each
+dataset's map writes), and training is compared with one device on the same global
+batches.
+"""
+
+import collections
+import os
+
+import pytest
+
+from runs import json_report, on_cluster
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIO = os.path.join(HERE, "input_scenario.py")
+TOLERANCE = 1e-5
+ROWS = 200
+TF_KERAS_CASES = "one_file,in_memory,function,numpy"
+
+
+BOTH = pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+KERAS3 = pytest.mark.parametrize("flavour", ["keras3"])
+
+
+@pytest.fixture(scope="module")
+def case():
+    """`case(flavour, name)`: that case's report; one cluster run per flavour."""
+    reports = {}
+
+    def get(flavour, name):
+        if flavour not in reports:
+            arguments = on_cluster(SCENARIO, *(() if flavour == "keras3"
+                                              else (TF_KERAS_CASES,)))
+            reports[flavour] = json_report(arguments, f"input scenario ({flavour})",
+                                           flavour)
+        return reports[flavour][name]
+
+    return get
+
+
+def uses(ids):
+    """How many times each example was processed: {times: number of examples}."""
+    return collections.Counter(collections.Counter(ids).values())
+
+
+@KERAS3
+def test_files_are_read_once_per_epoch_with_nothing_read_and_dropped(case, flavour):
+    files = case(flavour, "files")
+    # 8 files on 2 workers: each record parsed exactly once in the epoch (no batch read
+    # to build the model), and each validation record once.
+    assert uses(files["parsed"]) == {1: files["records"]}
+    assert uses(files["validation_parsed"]) == {1: files["validation_records"]}
+
+
+@BOTH
+def test_one_file_is_sharded_by_example_after_a_notice_and_trains_exactly(case, flavour):
+    one_file = case(flavour, "one_file")
+    assert uses(one_file["parsed"]) == {1: ROWS}
+    assert one_file["relative_error"] <= TOLERANCE
+    (notice,) = one_file["notices"]   # once, for two datasets read from one file
+    assert "reads 1 file(s), fewer than the 2 workers" in notice
+
+
+@KERAS3
+def test_file_policy_with_too_few_files_is_refused_before_training(case, flavour):
+    refused = case(flavour, "file_policy")
+    assert "auto_shard_policy is FILE, but it reads 1 file(s) for 2 workers" in \
+        refused["error"]
+    assert refused["weights_unchanged"] and refused["parsed"] == []
+
+
+@BOTH
+def test_in_memory_dataset_each_worker_maps_only_its_examples(case, flavour):
+    in_memory = case(flavour, "in_memory")
+    assert uses(in_memory["mapped"]) == {1: ROWS}
+    assert in_memory["relative_error"] <= TOLERANCE
+
+
+@KERAS3
+def test_off_policy_gives_every_worker_the_whole_dataset(case, flavour):
+    # TensorFlow's OFF, honoured: every worker processes examples of the whole dataset.
+    off = case(flavour, "in_memory_off")
+    assert max(uses(off["mapped"])) >= 2
+
+
+@BOTH
+def test_per_worker_input_function_fit_evaluate_predict(case, flavour):
+    function = case(flavour, "function")
+    assert function["contexts"] == [[2, 0, 16], [2, 1, 16]]
+    assert function["relative_error"] <= TOLERANCE
+    loss, reference = function["evaluate"]
+    assert loss == pytest.approx(reference, rel=TOLERANCE)
+    assert function["predicted_ids"] == list(range(ROWS))
+    assert function["predictions_per_id"] == [1]
+    assert function["predict_error"] <= 1e-5
+
+
+@BOTH
+def test_arrays_reach_each_worker_as_its_share_and_train_exactly(case, flavour):
+    arrays = case(flavour, "numpy")
+    # Every array was sent to each worker as its half of the rows, nothing more.
+    per_worker = collections.defaultdict(list)
+    for device, rows, whole in arrays["sent"]:
+        assert whole == ROWS
+        per_worker[device].append(rows)
+    assert sorted(per_worker) == ["/job:worker/replica:0/task:0/device:CPU:0",
+                                  "/job:worker/replica:0/task:1/device:CPU:0"]
+    assert all(set(rows) == {ROWS // 2} for rows in per_worker.values())
+    assert arrays["relative_error"] <= TOLERANCE
+    assert arrays["predict_error"] <= 1e-5          # in order
+    loss, reference = arrays["evaluate"]
+    assert loss == pytest.approx(reference, rel=TOLERANCE)
+    assert arrays["shuffled_loss"] > 0
