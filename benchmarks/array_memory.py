@@ -21,11 +21,10 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 
 from benchmarks import checkpoint_memory
+from benchmarks import chief_runs
 from benchmarks import contenders
 from benchmarks import machine
 
@@ -74,21 +73,13 @@ def chief_command(size_mib):
 
 
 def measure(size_mib, version, code_dir, timeout):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH"))
-                                        if p)
     command = chief_command(size_mib)
     print(f"[array_memory {size_mib} MiB {version}] {shlex.join(command)}", file=sys.stderr,
           flush=True)
-    done = subprocess.run(command, env=env, cwd=code_dir, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+    result, error = chief_runs.run(command, code_dir, _RESULT_PREFIX, timeout)
     base = {"size_mib": size_mib, "version": version, "command": shlex.join(command)}
-    if done.returncode != 0 or not lines:
-        errors = [line for line in done.stdout.splitlines() if "Error" in line]
-        return dict(base, error=(errors or done.stdout.splitlines() or ["?"])[-1][:400])
-    result = json.loads(lines[-1][len(_RESULT_PREFIX):])
+    if result is None:
+        return dict(base, error=error)
     error = result["fit"]["error"]
     print(f"[array_memory {size_mib} MiB {version}] chief peak {result['peak_mib']['chief']} "
           f"MiB, fit +{result['fit']['peak_growth_mib']['chief']} MiB"
@@ -96,20 +87,19 @@ def measure(size_mib, version, code_dir, timeout):
     return dict(result, **base)
 
 
-def markdown(runs, host, code, before, invocation):
+def markdown(report):
+    runs = report["runs"]
     lines = [
         "# Memory of numpy input: peak RSS of the chief and the workers",
         "",
-        f"`{invocation}`: {WORKERS} workers + 1 ps on loopback, keras_examples/criteo.py's "
-        f"model, `model.fit(x, y, batch_size={BATCH}, steps_per_epoch={STEPS})` on numpy "
+        f"`{report['invocation']}`: {WORKERS} workers + 1 ps on loopback, "
+        "keras_examples/criteo.py's model, "
+        f"`model.fit(x, y, batch_size={BATCH}, steps_per_epoch={STEPS})` on numpy "
         f"arrays of {ROW_BYTES} bytes a row, Keras 3. *peak* is VmHWM over the whole run "
         "(the arrays included); *fit growth* is VmHWM during fit minus RSS just before it "
-        "(the arrays already made). before = the `hybrid_strategy` package of commit "
-        f"{before}; after = commit {code['commit']}"
-        + (f" with {', '.join(code['modified_files'])} modified" if code["modified_files"]
-           else "") + ".",
+        "(the arrays already made). " + chief_runs.code_description(report),
         "",
-        f"Machine: {machine.summary(host)}.",
+        f"Machine: {machine.summary(report['machine'])}.",
         "",
         "| arrays | code | chief peak MiB | chief fit growth MiB | growth / arrays | "
         "worker 0 peak MiB | worker 1 peak MiB | fit seconds | error |",
@@ -134,42 +124,23 @@ def markdown(runs, host, code, before, invocation):
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[38, 381, 4096])
-    parser.add_argument("--versions", nargs="+", default=["before", "after"],
-                        choices=["before", "after"])
-    parser.add_argument("--before", default=None,
-                        help="commit whose package is 'before' (default: merge-base with main)")
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--json", default=os.path.join(RESULTS, "array_memory.json"))
-    parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
+    chief_runs.add_arguments(parser, 3600.0, os.path.join(RESULTS, "array_memory.json"))
     parser.add_argument("--size-mib", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    options = parse(argv)
-    if options.chief:
-        run_chief(options)
-        return
-    host, code = machine.describe(), machine.code_version()
-    before = options.before or subprocess.run(
-        ["git", "merge-base", "HEAD", "main"], cwd=REPO, check=True, text=True,
-        stdout=subprocess.PIPE).stdout.strip()
-    invocation = shlex.join(["python", "-m", "benchmarks.array_memory"] + argv)
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="array_memory_") as before_dir:
-        if "before" in options.versions:
-            checkpoint_memory.export_package(before, before_dir)
-        for size in options.sizes_mib:
-            for version in options.versions:
-                code_dir = before_dir if version == "before" else REPO
-                runs.append(measure(size, version, code_dir, options.timeout))
-    with open(options.json, "w") as f:
-        json.dump({"machine": host, "code": code, "before_commit": before,
-                   "invocation": invocation, "runs": runs}, f, indent=1)
-    text = markdown(runs, host, code, before, invocation)
-    with open(os.path.splitext(options.json)[0] + ".md", "w") as f:
-        f.write(text)
+    chief_runs.main(argv, parse, run_chief, run_all)
+
+
+def run_all(options, argv):
+    """Every size and code version, each on its own cluster; the report."""
+    report = chief_runs.report_header("benchmarks.array_memory", argv, options.before)
+    with chief_runs.packages(options.versions, report["before_commit"]) as code_dirs:
+        report["runs"] = [measure(size, version, code_dirs[version], options.timeout)
+                          for size in options.sizes_mib for version in options.versions]
+    text = markdown(report)
+    chief_runs.save(options.json, report, text)
     print(text)
 
 

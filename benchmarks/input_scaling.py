@@ -34,12 +34,12 @@ import glob
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 
 from benchmarks import checkpoint_memory
+from benchmarks import chief_runs
 from benchmarks import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,23 +186,14 @@ def chief_command(options, kind, workers, data):
 
 
 def measure(options, kind, workers, version, code_dir, data):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    # The package under test first, then this checkout for `benchmarks`, `keras_examples`.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH"))
-                                        if p)
-    command = chief_command(options, kind, workers, data)
     shown = shlex.join(chief_command(options, kind, workers, "DATA"))
     print(f"[input_scaling {kind} W={workers} {version}] {shown}", file=sys.stderr,
           flush=True)
-    done = subprocess.run(command, env=env, cwd=code_dir, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=options.timeout)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
+    result, error = chief_runs.run(chief_command(options, kind, workers, data), code_dir,
+                                   _RESULT_PREFIX, options.timeout)
     base = {"input": kind, "workers": workers, "version": version, "command": shown}
-    if done.returncode != 0 or not lines:
-        error = [line for line in done.stdout.splitlines() if "Error" in line]
-        return dict(base, error=(error or done.stdout.splitlines() or ["?"])[-1][:400])
-    result = json.loads(lines[-1][len(_RESULT_PREFIX):])
+    if result is None:
+        return dict(base, error=error)
     result.update(base, loadavg_after=list(os.getloadavg()))
     print(f"[input_scaling {kind} W={workers} {version}] input CPU ms/step per worker "
           f"{[round(c, 2) for c in result['input_cpu_ms_per_step']]}, reads per record "
@@ -214,21 +205,20 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def markdown(runs, host, code, before, invocation):
+def markdown(report):
+    runs = report["runs"]
     lines = [
         "# Input CPU per worker against the number of workers",
         "",
-        f"`{invocation}`: W workers + 1 ps on loopback, keras_examples/criteo.py's model and "
+        f"`{report['invocation']}`: W workers + 1 ps on loopback, keras_examples/criteo.py's "
+        "model and "
         f"records (global batch {GLOBAL_BATCH}), Keras 3. *input CPU* is each worker's "
         "CPU time per step while the chief only fetches every replica's batch (one pass "
         "over the records); *train CPU* is each worker's CPU time per training step; "
         "*reads per record* is the bytes the workers read (rchar) over that pass, divided "
-        "by the bytes of the files. before = the `hybrid_strategy` package of commit "
-        f"{before}; after = commit {code['commit']}"
-        + (f" with {', '.join(code['modified_files'])} modified" if code["modified_files"]
-           else "") + ".",
+        "by the bytes of the files. " + chief_runs.code_description(report),
         "",
-        f"Machine: {machine.summary(host)}.",
+        f"Machine: {machine.summary(report['machine'])}.",
         "",
         "| input | code | W | input CPU ms/step per worker (mean; each) | x W | reads per "
         "record | train CPU ms/step per worker (mean) | train examples/s |",
@@ -255,13 +245,11 @@ def markdown(runs, host, code, before, invocation):
 
 
 def plot(runs, path):
-    try:
-        import matplotlib  # pylint: disable=import-outside-toplevel
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return None
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    """Input CPU per worker per step against W, log-log, each input and code version."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
     for (kind, version) in sorted({(r["input"], r["version"]) for r in runs}):
         points = sorted((r["workers"], _mean(r["input_cpu_ms_per_step"])) for r in runs
                         if r["input"] == kind and r["version"] == version and "error" not in r)
@@ -281,26 +269,19 @@ def plot(runs, path):
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    return path
 
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--inputs", nargs="+", default=list(INPUTS), choices=INPUTS)
-    parser.add_argument("--versions", nargs="+", default=["before", "after"],
-                        choices=["before", "after"])
-    parser.add_argument("--before", default=None,
-                        help="commit whose package is 'before' (default: merge-base with main)")
     parser.add_argument("--records", type=int, default=131072)
     parser.add_argument("--files", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--data-dir", help="where the shards are written (default: a "
                                            "temporary directory)")
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--json", default=os.path.join(RESULTS, "input_scaling.json"))
-    parser.add_argument("--chief", action="store_true", help=argparse.SUPPRESS)
+    chief_runs.add_arguments(parser, 1800.0, os.path.join(RESULTS, "input_scaling.json"))
     parser.add_argument("--input", help=argparse.SUPPRESS)
     parser.add_argument("--num-workers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -308,41 +289,24 @@ def parse(argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    options = parse(argv)
-    if options.chief:
-        run_chief(options)
-        return
-    host, code = machine.describe(), machine.code_version()
-    before = options.before or subprocess.run(
-        ["git", "merge-base", "HEAD", "main"], cwd=REPO, check=True, text=True,
-        stdout=subprocess.PIPE).stdout.strip()
-    invocation = shlex.join(["python", "-m", "benchmarks.input_scaling"] + argv)
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="input_scaling_") as scratch:
+    chief_runs.main(argv, parse, run_chief, run_all)
+
+
+def run_all(options, argv):
+    """Every input, code version and W, each on its own cluster; the report and plot."""
+    report = chief_runs.report_header("benchmarks.input_scaling", argv, options.before)
+    with tempfile.TemporaryDirectory(prefix="input_scaling_") as scratch, \
+            chief_runs.packages(options.versions, report["before_commit"]) as code_dirs:
         paths = write_data(options.data_dir or scratch, options.records, options.files)
         paths["in_memory"] = paths["files"]  # not read: the records are made in memory
-        before_dir = os.path.join(scratch, "before")
-        if "before" in options.versions:
-            os.makedirs(before_dir)
-            checkpoint_memory.export_package(before, before_dir)
-        for kind in options.inputs:
-            for version in options.versions:
-                for workers in options.workers:
-                    code_dir = before_dir if version == "before" else REPO
-                    runs.append(measure(options, kind, workers, version, code_dir,
-                                        paths[kind]))
-    report = {"machine": host, "code": code, "before_commit": before,
-              "invocation": invocation, "runs": runs}
+        report["runs"] = [
+            measure(options, kind, workers, version, code_dirs[version], paths[kind])
+            for kind in options.inputs for version in options.versions
+            for workers in options.workers]
     stem = os.path.splitext(options.json)[0]
-    with open(options.json, "w") as f:
-        json.dump(report, f, indent=1)
-    text = markdown(runs, host, code, before, invocation)
-    image = plot(runs, stem + ".png")
-    if image:
-        text += f"\n![input CPU per worker against W]({os.path.basename(image)})\n"
-    with open(stem + ".md", "w") as f:
-        f.write(text)
+    plot(report["runs"], stem + ".png")
+    text = markdown(report) + f"\n![input CPU per worker against W]({os.path.basename(stem)}.png)\n"
+    chief_runs.save(options.json, report, text)
     print(text)
 
 

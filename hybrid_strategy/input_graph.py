@@ -102,7 +102,6 @@ class DatasetGraph:
         self.nodes = {node.name: node for node in self.graph_def.node}
         self.functions = {f.signature.name: f for f in self.graph_def.library.function}
         (retval,) = [node for node in self.graph_def.node if node.op == "_Retval"]
-        self._retval = retval
         self.chain = self._chain(_data_inputs(retval)[0])
         self._plan = None
         self._batch_size_node = self._index_node = None
@@ -173,12 +172,23 @@ class DatasetGraph:
                 if _data_inputs(node) and self._reads_files(_function_names(node))]
 
     def _subgraph(self, output):
-        """This graph's GraphDef returning the dataset `output` makes."""
+        """A GraphDef returning the dataset `output` makes: its nodes, this library."""
+        needed, pending = set(), [output]
+        while pending:
+            name = pending.pop()
+            if name not in needed:
+                needed.add(name)
+                pending.extend(reference.lstrip("^").split(":")[0]
+                               for reference in self.nodes[name].input)
         graph_def = tf.compat.v1.GraphDef()
-        graph_def.CopyFrom(self.graph_def)
-        for node in graph_def.node:
-            if node.op == "_Retval":
-                node.input[0] = output
+        graph_def.library.CopyFrom(self.graph_def.library)
+        for node in self.graph_def.node:
+            if node.name in needed:
+                graph_def.node.add().CopyFrom(node)
+            elif node.op == "_Retval":
+                retval = graph_def.node.add()
+                retval.CopyFrom(node)
+                retval.input[:] = [output]
         return graph_def.SerializeToString()
 
     def pipeline(self, policy=input_plan.AUTO, count_files=None):
@@ -211,21 +221,16 @@ class DatasetGraph:
 
     # Writing --------------------------------------------------------------------
 
-    def _add_node(self, op, inputs, **attrs):
+    def _add_const(self, value, dtype):
+        """A new constant node holding `value`, of `dtype`."""
         node = self.graph_def.node.add()
-        node.name = f"{_PREFIX}/{op}_{len(self.graph_def.node)}"
-        node.op = op
-        node.input.extend(inputs)
-        for key, value in attrs.items():
-            node.attr[key].CopyFrom(value)
+        node.name = f"{_PREFIX}/Const_{len(self.graph_def.node)}"
+        node.op = "Const"
+        node.attr["value"].tensor.CopyFrom(
+            tf.make_tensor_proto(np.asarray(value, dtype=dtype.as_numpy_dtype)))
+        node.attr["dtype"].type = dtype.as_datatype_enum
         self.nodes[node.name] = node
         return node
-
-    def _add_const(self, value, dtype):
-        value = tf.make_tensor_proto(np.asarray(value, dtype=dtype.as_numpy_dtype))
-        return self._add_node("Const", [],
-                              value=tf.compat.v1.AttrValue(tensor=value),
-                              dtype=tf.compat.v1.AttrValue(type=value.dtype))
 
     def prepare(self, plan, seed):
         """Edits the graph for `plan` (a SHARE plan); `seed` seeds shuffles below the split.

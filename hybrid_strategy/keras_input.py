@@ -26,26 +26,24 @@ import tensorflow as tf
 
 from hybrid_strategy import array_input
 from hybrid_strategy import batches
+from hybrid_strategy import worker_input
 
 # The strategy a Keras 3 epoch iterator is being made for, while it makes its dataset.
 _iterator_strategy = contextvars.ContextVar("iterator_strategy", default=None)
-_installed = False
+_installed = []
 
 
 def install(applies):
-    """Installs the hooks in Keras 3 (and tf_keras when `tf.keras` is it).
+    """Installs the hooks in Keras 3 (and tf_keras when `tf.keras` is it), once.
 
     Args:
         applies: `applies(strategy)`: whether `strategy` is a HybridStrategy.
     """
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    _install_keras3(applies)
-    legacy = batches.legacy_keras()
-    if legacy is not None:
-        _install_tf_keras(applies)
+    flavours = (_install_keras3,) + ((_install_tf_keras,) if batches.legacy_keras() else ())
+    for hooks in flavours:
+        if hooks not in _installed:
+            _installed.append(hooks)
+            hooks(applies)
 
 
 def _on_cluster(strategy, applies):
@@ -54,13 +52,9 @@ def _on_cluster(strategy, applies):
 
 def one_replica_spec(spec):
     """A distributed dataset's element spec for one replica, batch dimension unknown."""
-    def relax(component):
-        # TF-private: a PerReplicaSpec holds each replica's spec.
-        component = getattr(component, "_value_specs", (component,))[0]
-        if isinstance(component, tf.TensorSpec) and component.shape.rank:
-            return tf.TensorSpec([None] + component.shape[1:], component.dtype)
-        return component
-    return tf.nest.map_structure(relax, spec)
+    # TF-private: a PerReplicaSpec holds each replica's spec.
+    spec = tf.nest.map_structure(lambda c: getattr(c, "_value_specs", (c,))[0], spec)
+    return worker_input.unknown_batch_size(spec) or spec
 
 
 def _install_keras3(applies):

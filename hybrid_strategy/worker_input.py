@@ -57,7 +57,9 @@ def distribute_dataset(extended, dataset, options, tensorflow_distribute):
     """
     hosts = extended.input_hosts
     replicas = {len(devices) for _, devices in hosts}
-    if len(hosts) < 2 or len(replicas) != 1:
+    per_replica = options is not None and (options.experimental_replication_mode
+                                           == tf.distribute.InputReplicationMode.PER_REPLICA)
+    if len(hosts) < 2 or len(replicas) != 1 or per_replica:  # (TensorFlow refuses PER_REPLICA)
         return tensorflow_distribute(dataset, options)
     decided, worker_dataset = shares(dataset, [host for host, _ in hosts], replicas.pop())
     if worker_dataset is None:
@@ -81,7 +83,7 @@ def shares(dataset, devices, replicas_per_worker):
                                                                      spec))
     decided = input_plan.plan(pipeline, len(devices), replicas_per_worker)
     show_once(decided.notice)
-    element_spec = _per_replica_spec(dataset.element_spec)
+    element_spec = unknown_batch_size(dataset.element_spec)
     if decided.how != input_plan.SHARE:
         return decided, None
     if element_spec is None:  # elements without a batch dimension
@@ -124,8 +126,8 @@ def split_over_replicas(dataset, replicas):
     return dataset.flat_map(parts)
 
 
-def _per_replica_spec(spec):
-    """`spec` with an unknown batch dimension, or None if an element has no batch dimension."""
+def unknown_batch_size(spec):
+    """`spec` with an unknown batch dimension, or None if a component has no batch dimension."""
     try:
         # TF-private: how TensorFlow itself makes a batch dimension unknown.
         return tf.nest.map_structure(

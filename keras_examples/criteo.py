@@ -37,8 +37,10 @@ import tensorflow as tf
 
 try:
     from keras_examples import common
+    from keras_examples import recommender
 except ImportError:  # run as a script: keras_examples/ itself is on sys.path
     import common
+    import recommender
 
 FLAGS = flags.FLAGS
 
@@ -130,19 +132,9 @@ def make_dataset(pattern, batch_size, repeat=False, readers=4):
 
 
 def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128)):
-    """One Embedding per categorical feature, concatenated with the dense ones, an MLP."""
-    inputs = {name: keras.Input(shape=(), dtype="int32", name=name) for name in CATEGORICAL}
-    inputs["dense"] = keras.Input(shape=(NUM_DENSE,), name="dense")
-    embedded = [keras.layers.Embedding(size, embedding_dim, name=f"embedding_{name}")(
-                    inputs[name]) for name, size in zip(CATEGORICAL, table_sizes)]
-    x = keras.layers.Concatenate(name="concat")(embedded + [inputs["dense"]])
-    for i, units in enumerate(hidden_units):
-        x = keras.layers.Dense(units, activation="relu", name=f"hidden_{i}")(x)
-    output = keras.layers.Dense(1, activation="sigmoid", name="click")(x)
-    model = keras.Model(inputs=inputs, outputs=output, name="criteo")
-    model.compile(optimizer=keras.optimizers.Adagrad(learning_rate=0.05),
-                  loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
-    return model
+    """recommender.py's model over the 26 categorical and 13 dense features."""
+    return recommender.build_model(table_sizes, embedding_dim, hidden_units, NUM_DENSE,
+                                   feature_names=CATEGORICAL, name="criteo")
 
 
 def define_flags():

@@ -87,19 +87,24 @@ def make_dataset(num_examples, batch_size, table_sizes=DEFAULT_TABLE_SIZES, num_
 
 
 def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128),
-                num_dense=8):
-    """One Embedding per categorical feature, concatenated with the dense features, an MLP."""
-    inputs = {f"sparse_{i}": keras.Input(shape=(), dtype="int32", name=f"sparse_{i}")
-              for i in range(len(table_sizes))}
+                num_dense=8, feature_names=None, name="recommender"):
+    """One Embedding per categorical feature, concatenated with the dense features, an MLP.
+
+    The categorical inputs are named `feature_names` (default sparse_0, sparse_1, ...),
+    the dense ones "dense".
+    """
+    feature_names = feature_names or [f"sparse_{i}" for i in range(len(table_sizes))]
+    inputs = {feature: keras.Input(shape=(), dtype="int32", name=feature)
+              for feature in feature_names}
     inputs["dense"] = keras.Input(shape=(num_dense,), dtype="float32", name="dense")
     embedded = [keras.layers.Embedding(size, embedding_dim, name=f"embedding_{i}")(
-                    inputs[f"sparse_{i}"])
-                for i, size in enumerate(table_sizes)]
+                    inputs[feature])
+                for i, (feature, size) in enumerate(zip(feature_names, table_sizes))]
     x = keras.layers.Concatenate(name="concat")(embedded + [inputs["dense"]])
     for i, units in enumerate(hidden_units):
         x = keras.layers.Dense(units, activation="relu", name=f"hidden_{i}")(x)
     output = keras.layers.Dense(1, activation="sigmoid", name="click")(x)
-    model = keras.Model(inputs=inputs, outputs=output, name="recommender")
+    model = keras.Model(inputs=inputs, outputs=output, name=name)
     model.compile(optimizer=keras.optimizers.Adagrad(learning_rate=0.05),
                   loss="binary_crossentropy",
                   metrics=["accuracy", keras.metrics.AUC(name="auc")])

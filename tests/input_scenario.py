@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import warnings
 
 import numpy as np
@@ -223,10 +224,13 @@ def case_function(models, strategy):
 
     data = strategy.distribute_datasets_from_function(recorded)
     reference_data = tf.data.Dataset.from_tensor_slices((features, y)).batch(BATCH)
-    model, reference = models.train_both(data, reference_data, epochs=2)
+    # tf_keras needs the steps of a distributed dataset (and, given them, keeps one
+    # iterator over every epoch: one epoch here).
+    steps = -(-ROWS // BATCH)
+    model, reference = models.train_both(data, reference_data, steps_per_epoch=steps)
     inputs = strategy.distribute_datasets_from_function(
         lambda c: dataset_fn(c).map(lambda f, label: f))
-    predicted = model.predict(inputs, verbose=0)
+    predicted = model.predict(inputs, steps=steps, verbose=0)
     expected = reference.predict(features, batch_size=BATCH, verbose=0)
     by_id = {}
     for row, value in zip(predicted_ids(strategy, dataset_fn), predicted[:, 0]):
@@ -234,7 +238,7 @@ def case_function(models, strategy):
     return {
         "contexts": contexts,
         "relative_error": relative_error(model, reference),
-        "evaluate": [model.evaluate(data, verbose=0),
+        "evaluate": [model.evaluate(data, steps=steps, verbose=0),
                      reference.evaluate(reference_data, verbose=0)],
         "predicted_ids": sorted(by_id),
         "predictions_per_id": sorted({len(v) for v in by_id.values()}),
@@ -306,7 +310,9 @@ def main(argv):
         for name in names:
             case_directory = os.path.join(directory, name)
             os.makedirs(os.path.join(case_directory, "validation"))
+            started = time.perf_counter()
             report[name] = CASES[name](models, strategy, logs, case_directory)
+            report[name]["seconds"] = time.perf_counter() - started
     print(json.dumps(report), flush=True)
 
 
