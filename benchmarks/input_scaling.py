@@ -116,9 +116,11 @@ def run_chief(options):
         sizes = strategy.run(lambda batch: tf.shape(batch[1])[0], args=(next(iterator),))
         return strategy.experimental_local_results(sizes)
 
-    sampler = Sampler(workers)
+    reads = Sampler(workers)
+    reads.start()   # before the pipelines start to read
     iterator = iter(strategy.experimental_distribute_dataset(dataset(repeat=False)))
     examples, steps = sum(map(int, fetch(iterator))), 1   # the first step traces
+    sampler = Sampler(workers)
     sampler.start()
     started = time.perf_counter()
     while True:
@@ -128,7 +130,7 @@ def run_chief(options):
             break
         steps += 1
     input_seconds = time.perf_counter() - started
-    input_cpu, read = sampler.cpu(), sampler.read()
+    input_cpu, read = sampler.cpu(), reads.read()
     file_bytes = (0 if options.input == "in_memory"
                   else sum(os.path.getsize(p) for p in glob.glob(pattern)))
     result = {
