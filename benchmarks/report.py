@@ -419,6 +419,12 @@ def readme(runs, images):
              "benchmarks.checkpoint_memory`; **table sizes** (one step's time and memory "
              "against the table's size): [table_scaling.md](table_scaling.md), from "
              "`python -m benchmarks.table_scaling`.",
+             "- **Input** (each worker's input CPU per step against W, reads per record, "
+             "for the Criteo-like model fed from files and from memory): "
+             "[input_scaling.md](input_scaling.md), from `python -m "
+             "benchmarks.input_scaling`; **numpy input's memory** (peak RSS of the chief "
+             "and the workers, up to 4 GiB of arrays): [array_memory.md](array_memory.md), "
+             "from `python -m benchmarks.array_memory`.",
              ""]
     rows = targets(runs)
     if rows:

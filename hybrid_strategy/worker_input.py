@@ -112,8 +112,9 @@ def split_over_replicas(dataset, replicas):
     if replicas == 1:
         return dataset
 
-    def parts(*batch):
-        batch = batch if len(batch) > 1 else batch[0]
+    def parts(*components):
+        # tf.data passes a tuple element's items as arguments: make the element again.
+        batch = tf.nest.pack_sequence_as(dataset.element_spec, tf.nest.flatten(components))
         size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
 
         def part(replica):

@@ -146,7 +146,10 @@ def test_many_files_are_left_to_tensorflow(tmp_path):
     assert decided.how == input_plan.FILES and worker_dataset is None
 
 
-def test_replicas_of_a_worker_split_its_batches_larger_first():
-    batches = tf.data.Dataset.range(13).batch(5)
-    split = [b.numpy().tolist() for b in worker_input.split_over_replicas(batches, 2)]
-    assert split == [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9], [10, 11], [12]]
+@pytest.mark.parametrize("structure", [lambda x: x, lambda x: (x,), lambda x: {"x": (x, x)}])
+def test_replicas_of_a_worker_split_its_batches_larger_first(structure):
+    batches = tf.data.Dataset.range(13).map(structure).batch(5)
+    split = worker_input.split_over_replicas(batches, 2)
+    assert split.element_spec == worker_input.unknown_batch_size(batches.element_spec)
+    assert [tf.nest.flatten(b)[0].numpy().tolist() for b in split] == \
+        [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9], [10, 11], [12]]
