@@ -18,10 +18,13 @@ commit this branch forked from main, as benchmarks.checkpoint_memory exports it;
 `python -m hybrid_strategy.launch` and runs this file as its chief (`--chief`), which
 
 1. iterates the distributed dataset for one pass over the records with a step that only
-   fetches every replica's batch (each worker's CPU time over the pass, per step, is
-   its input pipeline's: the tf.data threads do not have their own names to read them
-   apart from the rest), counting the bytes the workers read (rchar, /proc/PID/io: every
-   read() call, files and sockets alike) against the bytes of the files;
+   fetches every replica's batch, and then as many steps over batches of zeros that
+   each worker holds in memory: each worker's CPU time per step in the first, minus the
+   second (the cost of running a step at all: the step function, the iterator, the
+   checks that every worker still has data), is its input pipeline's (tf.data's threads
+   have no names of their own to tell them apart); it counts the bytes the workers read
+   (rchar, /proc/PID/io: every read() call, files and sockets alike) against the bytes
+   of the files;
 2. trains `--steps` steps (after `--warmup`) and reads each worker's CPU per step.
 
 Results: benchmarks/results/input_scaling.json and .md, and input_scaling.png (input CPU
@@ -116,28 +119,46 @@ def run_chief(options):
         sizes = strategy.run(lambda batch: tf.shape(batch[1])[0], args=(next(iterator),))
         return strategy.experimental_local_results(sizes)
 
+    def each_step(distributed):
+        """Fetches every batch of `distributed`; (steps, examples, worker CPU seconds)."""
+        iterator = iter(distributed)
+        examples, steps = sum(map(int, fetch(iterator))), 1   # the first step traces
+        sampler = Sampler(workers)
+        sampler.start()
+        while True:
+            try:
+                examples += sum(map(int, fetch(iterator)))
+            except (tf.errors.OutOfRangeError, StopIteration):
+                return steps, examples, sampler.cpu()
+            steps += 1
+
     reads = Sampler(workers)
     reads.start()   # before the pipelines start to read
-    iterator = iter(strategy.experimental_distribute_dataset(dataset(repeat=False)))
-    examples, steps = sum(map(int, fetch(iterator))), 1   # the first step traces
-    sampler = Sampler(workers)
-    sampler.start()
     started = time.perf_counter()
-    while True:
-        try:
-            examples += sum(map(int, fetch(iterator)))
-        except (tf.errors.OutOfRangeError, StopIteration):
-            break
-        steps += 1
+    distributed = strategy.experimental_distribute_dataset(dataset(repeat=False))
+    steps, examples, total_cpu = each_step(distributed)
     input_seconds = time.perf_counter() - started
-    input_cpu, read = sampler.cpu(), reads.read()
+    read = reads.read()
+    # The same steps over batches of zeros each worker has in memory: the cost of a step
+    # that is not the input pipeline's (running the step, the iterator, the checks that
+    # every worker still has data), to take from the total.
+    spec = distributed.element_spec
+    zeros = tf.nest.map_structure(
+        lambda s: tf.zeros([GLOBAL_BATCH // strategy.num_replicas_in_sync] + s.shape[1:],
+                           s.dtype),
+        tf.nest.map_structure(lambda s: getattr(s, "_value_specs", (s,))[0], spec))
+    _, _, fixed_cpu = each_step(strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensors(zeros).repeat(steps)))
     file_bytes = (0 if options.input == "in_memory"
                   else sum(os.path.getsize(p) for p in glob.glob(pattern)))
     result = {
         "input": options.input, "workers": options.num_workers, "steps": steps,
         "examples": examples, "records": options.records,
-        "input_cpu_ms_per_step": [1000 * c / (steps - 1) for c in input_cpu],
-        "input_steps_per_s": (steps - 1) / input_seconds,
+        "step_cpu_ms": [1000 * c / (steps - 1) for c in total_cpu],
+        "fixed_cpu_ms": [1000 * c / (steps - 1) for c in fixed_cpu],
+        "input_cpu_ms_per_step": [1000 * (c - f) / (steps - 1)
+                                  for c, f in zip(total_cpu, fixed_cpu)],
+        "input_steps_per_s": steps / input_seconds,
         "file_bytes": file_bytes,
         "reads_per_record": sum(read) / file_bytes if file_bytes else None,
     }
@@ -145,6 +166,7 @@ def run_chief(options):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = criteo.build_model()
+    sampler = Sampler(workers)
 
     class Timer(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -216,27 +238,31 @@ def markdown(report):
         "model and "
         f"records (global batch {GLOBAL_BATCH}), Keras 3. *input CPU* is each worker's "
         "CPU time per step while the chief only fetches every replica's batch (one pass "
-        "over the records); *train CPU* is each worker's CPU time per training step; "
+        "over the records), minus its CPU time per step fetching batches of zeros it "
+        "holds in memory (*fixed*: what any step costs); *train CPU* is each worker's "
+        "CPU time per training step; "
         "*reads per record* is the bytes the workers read (rchar) over that pass, divided "
         "by the bytes of the files. " + chief_runs.code_description(report),
         "",
         f"Machine: {machine.summary(report['machine'])}.",
         "",
-        "| input | code | W | input CPU ms/step per worker (mean; each) | x W | reads per "
-        "record | train CPU ms/step per worker (mean) | train examples/s |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| input | code | W | input CPU ms/step per worker (mean; each) | x W | fixed "
+        "ms/step (mean) | reads per record | train CPU ms/step per worker (mean) | "
+        "train examples/s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
         if "error" in run:
             lines.append(f"| {run['input']} | {run['version']} | {run['workers']} | failed: "
-                         f"{run['error'][:160].replace('|', '/')} | | | | |")
+                         f"{run['error'][:160].replace('|', '/')} | | | | | |")
             continue
         each = ", ".join(f"{c:.2f}" for c in run["input_cpu_ms_per_step"])
         mean = _mean(run["input_cpu_ms_per_step"])
         reads = run["reads_per_record"]
         lines.append(
             f"| {run['input']} | {run['version']} | {run['workers']} | {mean:.2f} ({each}) | "
-            f"{mean * run['workers']:.2f} | {'n/a' if reads is None else f'{reads:.2f}'} | "
+            f"{mean * run['workers']:.2f} | {_mean(run['fixed_cpu_ms']):.2f} | "
+            f"{'n/a' if reads is None else f'{reads:.2f}'} | "
             f"{_mean(run['train_cpu_ms_per_step']):.2f} | "
             f"{run['train_examples_per_s']:,.0f} |")
     lines += ["", "*x W*: the mean input CPU per worker times W, constant where each worker's "
