@@ -233,7 +233,15 @@ def _tf_keras_maker(original, name, unrolls):
                                  lambda: one_step(iterator)))
         if not self.run_eagerly:
             function = tf.function(function, reduce_retracing=True)
-        setattr(self, attribute, function)
-        return function
+
+        def run(iterator):
+            # The data handler lowers the variable (mirrored on the workers) just
+            # before the call; reading it here waits for that assignment, which the
+            # call's reads on the workers could otherwise overtake.
+            variable.numpy()
+            return function(iterator)
+
+        setattr(self, attribute, run)
+        return run
 
     return make
