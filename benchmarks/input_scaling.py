@@ -17,14 +17,14 @@ commit this branch forked from main, as benchmarks.checkpoint_memory exports it;
 "after": this checkout) it starts a cluster of W workers + 1 ps with
 `python -m hybrid_strategy.launch` and runs this file as its chief (`--chief`), which
 
-1. iterates the distributed dataset for one pass over the records with a step that only
-   fetches every replica's batch, and then as many steps over batches of zeros that
-   each worker holds in memory: each worker's CPU time per step in the first, minus the
-   second (the cost of running a step at all: the step function, the iterator, the
-   checks that every worker still has data), is its input pipeline's (tf.data's threads
-   have no names of their own to tell them apart); it counts the bytes the workers read
-   (rchar, /proc/PID/io: every read() call, files and sockets alike) against the bytes
-   of the files;
+1. distributes the dataset (one pass over the records, no repeat) and has every worker
+   run its own dataset through at once (`reduce` on the worker, all workers in
+   parallel): each worker's CPU time over that pass, divided by the global steps of a
+   pass, is its input pipeline's CPU per step (tf.data's threads have no names of
+   their own to tell them apart from the rest of a training step's), and the examples
+   they counted add up to the records once; the bytes the workers read (rchar,
+   /proc/PID/io: every read() call, files and sockets alike) are counted against the
+   bytes of the files;
 2. trains `--steps` steps (after `--warmup`) and reads each worker's CPU per step.
 
 Results: benchmarks/results/input_scaling.json and .md, and input_scaling.png (input CPU
@@ -113,51 +113,30 @@ def run_chief(options):
             return _in_memory_dataset(tf, criteo, options.records, repeat)
         return criteo.make_dataset(pattern, GLOBAL_BATCH, repeat=repeat)
 
-    @tf.function
-    def fetch(iterator):
-        # Every replica's batch is made on its worker; only its size reaches this process.
-        sizes = strategy.run(lambda batch: tf.shape(batch[1])[0], args=(next(iterator),))
-        return strategy.experimental_local_results(sizes)
-
-    def each_step(distributed):
-        """Fetches every batch of `distributed`; (steps, examples, worker CPU seconds)."""
-        iterator = iter(distributed)
-        examples, steps = sum(map(int, fetch(iterator))), 1   # the first step traces
-        sampler = Sampler(workers)
-        sampler.start()
-        while True:
-            try:
-                examples += sum(map(int, fetch(iterator)))
-            except (tf.errors.OutOfRangeError, StopIteration):
-                return steps, examples, sampler.cpu()
-            steps += 1
-
-    reads = Sampler(workers)
-    reads.start()   # before the pipelines start to read
-    started = time.perf_counter()
     distributed = strategy.experimental_distribute_dataset(dataset(repeat=False))
-    steps, examples, total_cpu = each_step(distributed)
+    # TF-private: each worker's own dataset, as TensorFlow's distribution made it
+    # (`_cloned_datasets`) or as HybridStrategy did (`_datasets`, one per worker), and
+    # the device of each worker's input (MirroredExtended's, in every code version).
+    per_worker = getattr(distributed, "_datasets", None) or distributed._cloned_datasets
+    hosts = [host for host, _ in strategy.extended._input_workers_devices]
+    sampler = Sampler(workers)
+    sampler.start()
+    started = time.perf_counter()
+    counts = []
+    for host, each in zip(hosts, per_worker):
+        with tf.device(host):   # every worker runs its whole pass at once, in parallel
+            counts.append(each.reduce(tf.constant(0, tf.int64), lambda n, batch: n + tf.shape(
+                batch[1], out_type=tf.int64)[0]))
+    examples = sum(int(count) for count in counts)
     input_seconds = time.perf_counter() - started
-    read = reads.read()
-    # The same steps over batches of zeros each worker has in memory: the cost of a step
-    # that is not the input pipeline's (running the step, the iterator, the checks that
-    # every worker still has data), to take from the total.
-    spec = distributed.element_spec
-    zeros = tf.nest.map_structure(
-        lambda s: tf.zeros([GLOBAL_BATCH // strategy.num_replicas_in_sync] + s.shape[1:],
-                           s.dtype),
-        tf.nest.map_structure(lambda s: getattr(s, "_value_specs", (s,))[0], spec))
-    _, _, fixed_cpu = each_step(strategy.distribute_datasets_from_function(
-        lambda context: tf.data.Dataset.from_tensors(zeros).repeat(steps)))
+    input_cpu, read = sampler.cpu(), sampler.read()
+    steps = options.records // GLOBAL_BATCH
     file_bytes = (0 if options.input == "in_memory"
                   else sum(os.path.getsize(p) for p in glob.glob(pattern)))
     result = {
         "input": options.input, "workers": options.num_workers, "steps": steps,
         "examples": examples, "records": options.records,
-        "step_cpu_ms": [1000 * c / (steps - 1) for c in total_cpu],
-        "fixed_cpu_ms": [1000 * c / (steps - 1) for c in fixed_cpu],
-        "input_cpu_ms_per_step": [1000 * (c - f) / (steps - 1)
-                                  for c, f in zip(total_cpu, fixed_cpu)],
+        "input_cpu_ms_per_step": [1000 * c / steps for c in input_cpu],
         "input_steps_per_s": steps / input_seconds,
         "file_bytes": file_bytes,
         "reads_per_record": sum(read) / file_bytes if file_bytes else None,
@@ -237,18 +216,17 @@ def markdown(report):
         f"`{report['invocation']}`: W workers + 1 ps on loopback, keras_examples/criteo.py's "
         "model and "
         f"records (global batch {GLOBAL_BATCH}), Keras 3. *input CPU* is each worker's "
-        "CPU time per step while the chief only fetches every replica's batch (one pass "
-        "over the records), minus its CPU time per step fetching batches of zeros it "
-        "holds in memory (*fixed*: what any step costs); *train CPU* is each worker's "
-        "CPU time per training step; "
+        "CPU time while it runs its own share of the distributed dataset through (one "
+        "pass over the records, every worker at once), per global step of the pass; "
+        "*examples* is what they counted in all; *train CPU* is each worker's CPU time "
+        "per training step; "
         "*reads per record* is the bytes the workers read (rchar) over that pass, divided "
         "by the bytes of the files. " + chief_runs.code_description(report),
         "",
         f"Machine: {machine.summary(report['machine'])}.",
         "",
-        "| input | code | W | input CPU ms/step per worker (mean; each) | x W | fixed "
-        "ms/step (mean) | reads per record | train CPU ms/step per worker (mean) | "
-        "train examples/s |",
+        "| input | code | W | input CPU ms/step per worker (mean; each) | x W | examples "
+        "| reads per record | train CPU ms/step per worker (mean) | train examples/s |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
@@ -261,7 +239,7 @@ def markdown(report):
         reads = run["reads_per_record"]
         lines.append(
             f"| {run['input']} | {run['version']} | {run['workers']} | {mean:.2f} ({each}) | "
-            f"{mean * run['workers']:.2f} | {_mean(run['fixed_cpu_ms']):.2f} | "
+            f"{mean * run['workers']:.2f} | {run['examples']:,} | "
             f"{'n/a' if reads is None else f'{reads:.2f}'} | "
             f"{_mean(run['train_cpu_ms_per_step']):.2f} | "
             f"{run['train_examples_per_s']:,.0f} |")
