@@ -214,10 +214,7 @@ def main(argv):
                         help="train mixed_float16 under MirroredStrategy on two local CPUs")
     args = parser.parse_args(argv)
     if args.mirrored_reference:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        strategy = tf.distribute.MirroredStrategy(scenario.local_cpu_replicas(2))
         weights, policy = mixed_precision_weights(strategy)
         json.dump({"mixed_precision_weights": weights, "policy": policy}, sys.stdout)
         sys.stdout.write("\n")
