@@ -287,8 +287,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "(the strategy unrolls its N steps, except for tf_keras' predict and "
                 "autotuned steps_per_execution); run your own loop in Python, or call "
                 "strategy.run once per traced function.")
-        # Mean losses check, while the replicas' steps are traced, that the global
-        # batch was split evenly (batches.py).
+        # Keras' losses weight each replica by its share of the global batch, read
+        # while the replicas' steps are traced (batches.py).
         self.step_batch_sizes = batches.replica_batch_sizes(
             args, kwargs, self._num_replicas_in_sync)
         try:
@@ -297,7 +297,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             self.step_batch_sizes = None
 
     def _experimental_distribute_dataset(self, dataset, options):
-        batches.check_dataset(dataset, self._num_replicas_in_sync)
+        batches.check_dataset(dataset)
         service_input.check_dataset(dataset, len(self._input_workers_devices))
         return super()._experimental_distribute_dataset(dataset, options)
 
@@ -632,8 +632,8 @@ def _install_keras_hooks():
     first training step (mirroring.py), the layer each weight belongs to
     (creation.py), clipping of the summed gradient (clipping.py), regularizers of
     PS tables computed on their PS (penalties.py), id checks in Embedding layers
-    (table.py), the even split of batches (batches.py), tables in Keras weight files
-    (checkpointing.py), several steps per call without a tf.while_loop
+    (table.py), losses weighted by each replica's rows (batches.py), tables in Keras
+    weight files (checkpointing.py), several steps per call without a tf.while_loop
     (multi_step.py) and whole epochs of datasets read from the tf.data service
     (service_input.py).
     """

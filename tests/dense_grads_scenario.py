@@ -316,7 +316,7 @@ def main(argv):
     parser.add_argument("--mixed-precision", action="store_true",
                         help="run only the mixed_float16 case (tf_keras, --local-replicas)")
     args = parser.parse_args(argv)
-    devices = user_models.local_devices(args.local_replicas)
+    devices = scenario.local_cpu_replicas(args.local_replicas)
 
     def make_hybrid(**options):
         return hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,

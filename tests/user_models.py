@@ -317,16 +317,6 @@ def report(make_hybrid, make_mirrored=None):
     return out
 
 
-def local_devices(count):
-    """`count` CPU devices of this process to replicate over (None for 0: a cluster)."""
-    if not count:
-        return None
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-    return [f"/cpu:{i}" for i in range(count)]
-
-
 def main(argv):
     import hybrid_strategy
 
@@ -335,7 +325,7 @@ def main(argv):
                         help="run on this machine alone with this many CPU replicas, "
                              "and compare with MirroredStrategy on them")
     args = parser.parse_args(argv)
-    devices = local_devices(args.local_replicas)
+    devices = scenario.local_cpu_replicas(args.local_replicas)
 
     def make_hybrid():
         return hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
