@@ -24,8 +24,10 @@ import tensorflow as tf
 import tf_keras
 
 import hybrid_strategy
+import optimizer_references as references
 from hybrid_strategy import sparse_optimizers as so
 from hybrid_strategy import table as table_lib
+from optimizer_references import error, scaled, values
 
 ROWS, DIM, SEQ, BATCH, STEPS, SHARDS = 16, 3, 3, 4, 4, 3
 TOLERANCE = 1e-5
@@ -126,14 +128,6 @@ class Model:
         return loss
 
 
-def scaled(optimizer, loss):
-    return optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss
-
-
-def values(variable):
-    return np.array(tf.convert_to_tensor(variable))
-
-
 def table_slots(optimizer):
     """The optimizer's variables shaped like the table, in its own order."""
     return [v for v in optimizer.variables if tuple(v.shape) == (ROWS, DIM)]
@@ -160,49 +154,11 @@ def train_distributed(strategy, flavour, factory, tied, weights, ids, targets):
 
 
 def train_reference(flavour, factory, tied, weights, ids, targets, lazy):
-    """One device; the table's optimizer apart, so its lazy steps can use sub-tables."""
     model = Model(flavour, tied, weights)
-    table, dense = model.variables[0], model.variables[1:]
-    table_optimizer, dense_optimizer = factory(), factory()
-    table_optimizer.build([table])
-    dense_optimizer.build(dense)
-    for s in range(STEPS):
-        with tf.GradientTape() as tape:
-            loss = scaled(dense_optimizer, model.loss(ids[s], targets[s]))
-        table_grad, *dense_grads = tape.gradient(loss, model.variables)
-        dense_optimizer.apply_gradients(zip(dense_grads, dense))
-        if lazy and isinstance(table_grad, tf.IndexedSlices):
-            lazy_step(flavour, factory, table_optimizer, table, table_grad)
-        else:
-            table_optimizer.apply_gradients([(tf.convert_to_tensor(table_grad), table)])
-    return model, table_optimizer
-
-
-def lazy_step(flavour, factory, optimizer, table, grad):
-    """The lazy rule: `optimizer`'s step on a variable of the gradient's rows only."""
-    rows, positions = tf.unique(grad.indices)
-    summed = tf.math.unsorted_segment_sum(grad.values, positions, tf.shape(rows)[0])
-    sub = (keras.Variable if flavour == "keras" else tf.Variable)(
-        tf.gather(table, rows), name="embeddings")
-    sub_optimizer = factory()
-    sub_optimizer.build([sub])
-    pairs = list(zip(sub_optimizer.variables, optimizer.variables))
-    for mine, whole in pairs:
-        mine.assign(tf.gather(values(whole), rows) if whole.shape == table.shape else whole)
-    sub_optimizer.apply_gradients([(summed, sub)])
-    for mine, whole in pairs + [(sub, table)]:
-        if whole.shape == table.shape:
-            tf_variable(whole).scatter_update(tf.IndexedSlices(values(mine), rows))
-        else:
-            whole.assign(mine)
-
-
-def tf_variable(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def error(actual, expected):
-    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 0.01))
+    optimizers = references.train(model.variables, model.variables[:1],
+                                  lambda s: model.loss(ids[s], targets[s]), range(STEPS),
+                                  factory, lazy)
+    return model, optimizers[id(model.variables[0])]
 
 
 @pytest.mark.parametrize("name", list(CASES))
