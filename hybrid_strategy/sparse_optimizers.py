@@ -96,14 +96,19 @@ class UnsupportedOptimizerError(TypeError):
     ```
     """
 
+    # AutoGraph re-raises an error from a traced step as its own type only if its
+    # constructor is Exception's (else as a StagingError): tf_keras builds its
+    # optimizer while it traces the first step.
+    __init__ = Exception.__init__
+
 
 def check(optimizer, path):
     """Raises `UnsupportedOptimizerError` if `optimizer` cannot update PS table `path`.
 
     `optimizer` is the one that updates the table: for a `LossScaleOptimizer`, its
-    inner optimizer; for a `MultiOptimizer`, the one it assigns to the table
-    (`optimizer_for`). Refused: optimizers not shipped with Keras 3 or tf_keras
-    (and subclasses that replace `update_step`), tf_keras' legacy optimizers,
+    inner optimizer; for a `MultiOptimizer`, the one it assigns to the table.
+    Refused: optimizers not shipped with Keras 3 or tf_keras (and subclasses that
+    replace `update_step`), tf_keras' legacy optimizers and its Nadam,
     `use_ema=True`, Keras 3's `gradient_accumulation_steps` and a tf_keras DTensor
     mesh.
 
@@ -121,7 +126,7 @@ def check(optimizer, path):
             f"HybridStrategy(placement_overrides={{'{path}': 'mirrored'}}).")
 
 
-def optimizer_for(optimizer, variable):
+def _optimizer_for(optimizer, variable):
     """The optimizer that updates `variable`: through a `LossScaleOptimizer` to the
     optimizer it wraps, through a Keras 3 `MultiOptimizer` to the one it assigns to
     `variable` (a Keras 3 variable)."""
@@ -181,9 +186,10 @@ def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy")
     _check_mode(mode)
     kind = coupling(optimizer, table)
     decays = _take_deferred_decays(table)
+    tables = [table] + _slots_of(optimizer, table)
     views = []
     for selection, grad in _selections(table, grads, mode, kind):
-        views += _run_on(selection, table, optimizer,
+        views += _run_on(selection, tables, optimizer,
                          decays + [lambda grad=grad: fn(table, grad, *args, **(kwargs or {}))])
     return _flushed(views)
 
@@ -201,9 +207,10 @@ def decay_table(optimizer, fn, table, mode="lazy"):
         _DEFERRED_DECAYS.setdefault(_graph(), {}).setdefault(table.ref(), []).append(
             lambda: fn(table))
         return tf.no_op()
+    tables = [table] + _slots_of(optimizer, table)
     views = []
     for k in range(table.num_shards):
-        views += _run_on(_Selection(table, [k]), table, optimizer, [lambda: fn(table)])
+        views += _run_on(_Selection(table, [k]), tables, optimizer, [lambda: fn(table)])
     return _flushed(views)
 
 
@@ -261,19 +268,21 @@ class RowsView:
 
 
 def install_keras_hooks():
-    """Refuses an optimizer that cannot update a PS table when it is built.
+    """Refuses an optimizer that cannot update a PS table at `compile`, or when built.
 
-    Keras 3 builds its optimizer when `fit` starts, before it traces a step;
-    tf_keras while it traces the first one, so tf_keras models are also checked
-    at `compile` (when their variables exist by then). And Keras 3's Muon, whose
-    weight decay assigns each variable in each replica (a table would decay once
-    per replica), decays tables through the strategy as the other optimizers do.
+    `compile` checks the model's tables if it has its variables by then; a model
+    that makes them later (a subclassed model not yet built) is checked when its
+    optimizer is built: Keras 3 builds it when `fit` starts, before it traces a
+    step, tf_keras while it traces the first one. And Keras 3's Muon, whose weight
+    decay assigns each variable in each replica (a table would decay once per
+    replica), decays tables through the strategy as the other optimizers do.
     """
+    import keras
     # Keras-private: the base class whose `build` every Keras 3 optimizer calls.
     from keras.src.optimizers import base_optimizer
-    import keras
 
     _check_when_built(base_optimizer.BaseOptimizer)
+    _check_when_compiled(keras.Model)
     _decay_tables_through_strategy(keras.optimizers.Muon)
     tf_keras = sys.modules.get("tf_keras")
     if tf_keras is not None:
@@ -284,12 +293,12 @@ def install_keras_hooks():
         _check_when_compiled(tf_keras.Model)
 
 
-def check_model(optimizer, variables):
+def _check_model(optimizer, variables):
     """Checks `optimizer` against every PS table among `variables` (`check`)."""
     for variable in variables:
         table = _table_behind(variable)
         if table is not None:
-            check(optimizer_for(optimizer, variable), table.path)
+            check(_optimizer_for(optimizer, variable), table.path)
 
 
 def _check_when_built(optimizer_class):
@@ -318,7 +327,7 @@ def _check_when_compiled(model_class):
     def compile_checking_tables(self, *args, **kwargs):
         result = compile_model(self, *args, **kwargs)
         if self.optimizer is not None:
-            check_model(self.optimizer, self.trainable_variables)
+            _check_model(self.optimizer, self.trainable_variables)
         return result
 
     compile_checking_tables._checks_tables = True
@@ -413,11 +422,10 @@ def _selections(table, grads, mode, kind):
                  tf.ensure_shape(table_lib.join_dense([g for _, g in pairs]), table.shape))]
 
 
-def _run_on(selection, table, optimizer, steps):
-    """Runs `steps` with `table` and its slots standing in for `selection`'s rows."""
+def _run_on(selection, tables, optimizer, steps):
+    """Runs `steps` with `tables` (a table and its slots) standing in for `selection`'s rows."""
     with tf.device(selection.device):
-        views = [RowsView(t, selection.shards, selection.indices)
-                 for t in [table] + _slots_of(optimizer, table)]
+        views = [RowsView(t, selection.shards, selection.indices) for t in tables]
         for view in views:
             view._table.rows_view = view
         try:

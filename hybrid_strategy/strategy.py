@@ -113,11 +113,12 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             shards of at least this many bytes (default 1 MiB): smaller tables stay
             whole on one task.
         table_shards: `{pattern: number of shards}` for chosen tables.
-        sparse_update: How PS tables apply optimizers whose dense form also moves
-            rows without gradient (SGD with momentum, Adam, RMSprop): "lazy"
-            (default: only the step's rows and their slots change, so a step costs
-            the same whatever the table size) or "exact" (every row, identical to
-            single-device training). SGD and Adagrad are exact either way.
+        sparse_update: Which rows of a PS table the optimizer's update moves:
+            "lazy" (default: the step's rows and their slots, so a step costs the
+            same whatever the table size) or "exact" (every row, identical to
+            single-device training with dense gradients). SGD without momentum and
+            Adagrad are exact either way; Adafactor and Muon's own update always
+            update the whole table (sparse_optimizers.py).
         devices: Single-machine mode only: the local devices to replicate over
             (default: every GPU, else the CPU).
         communication_options: `tf.distribute.experimental.CommunicationOptions`

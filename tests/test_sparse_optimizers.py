@@ -280,16 +280,56 @@ REFUSED = [
                          ids=[f"{f}-{r}" for f, _, r in REFUSED])
 def test_unsupported_optimizers_are_refused_before_a_step_is_traced(flavour, optimizer,
                                                                       reason):
-    """Keras 3 when fit builds the optimizer; tf_keras at compile (its model is built)."""
-    ids, y = np.array([[1, 2]], "int32"), np.zeros((1, 1), "float32")
+    """At compile, the model having its variables; else when fit builds the optimizer."""
     with pytest.raises(hybrid_strategy.UnsupportedOptimizerError) as refused:
-        words_model(flavour, optimizer).fit(ids, y, verbose=0)
+        words_model(flavour, optimizer)
     message = str(refused.value)
     for words in ("PS table 'words_model/words/embeddings'" if flavour == "keras"
                   else "PS table 'words/embeddings'", reason,
                   "placement_overrides={'"):
         assert words in message, message
-    assert "in user code" not in message  # raised directly, not from a traced step
+
+
+class Words(tf_keras.Model):
+    """A subclassed tf_keras model: its variables exist only once a step is traced."""
+
+    def __init__(self):
+        super().__init__(name="words_model")
+        self.words = tf_keras.layers.Embedding(10, 2, name="words")
+        self.out = tf_keras.layers.Dense(1, name="out")
+
+    def call(self, ids):
+        return self.out(tf.reshape(self.words(ids), (-1, 4)))
+
+
+def subclassed_words_model(flavour):
+    """A subclassed model of `flavour` that makes its variables when it is built."""
+    k = keras if flavour == "keras" else tf_keras
+
+    class Words(k.Model):
+        def __init__(self):
+            super().__init__(name="words_model")
+            self.words = k.layers.Embedding(10, 2, name="words")
+            self.out = k.layers.Dense(1, name="out")
+
+        def call(self, ids):
+            return self.out(tf.reshape(self.words(ids), (-1, 4)))
+
+    return Words()
+
+
+@pytest.mark.parametrize("flavour,optimizer", [("keras", lambda: K3.Adam(use_ema=True)),
+                                               ("tf_keras", lambda: TFK.Nadam())])
+def test_an_unbuilt_model_is_refused_when_its_optimizer_is_built(flavour, optimizer):
+    """Keras 3 builds it before it traces a step, tf_keras while it traces one: the
+    error keeps its type either way."""
+    with hybrid_strategy.HybridStrategy().scope():
+        model = subclassed_words_model(flavour)
+        model.compile(optimizer=optimizer(), loss="mse")
+    with pytest.raises(hybrid_strategy.UnsupportedOptimizerError) as refused:
+        model.fit(np.array([[1, 2]], "int32"), np.zeros((1, 1), "float32"), verbose=0)
+    assert "PS table 'words_model/words/embeddings' with" in str(refused.value)
+    assert ("in user code" in str(refused.value)) == (flavour == "tf_keras")
 
 
 @pytest.mark.parametrize("optimizer", [
