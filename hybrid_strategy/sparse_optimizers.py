@@ -43,6 +43,7 @@ except sparse_optimizers.UnsupportedOptimizerError as e:
 """
 
 import contextlib
+import functools
 import sys
 import weakref
 
@@ -242,7 +243,7 @@ class RowsView:
     """
 
     def __init__(self, table, shards, indices=None):
-        self._table = table
+        self.table = table
         self._selection = _Selection(table, shards, indices)
         self._value = self._selection.read(table)
         self._written = False
@@ -261,7 +262,7 @@ class RowsView:
 
     def flush(self):
         """Writes the rows back to their shards if they were written; returns the ops."""
-        return self._selection.write(self._table, self._value) if self._written else []
+        return self._selection.write(self.table, self._value) if self._written else []
 
 
 # Keras hooks --------------------------------------------------------------------
@@ -278,19 +279,22 @@ def install_keras_hooks():
     replica), decays tables through the strategy as the other optimizers do.
     """
     import keras
-    # Keras-private: the base class whose `build` every Keras 3 optimizer calls.
+    # Keras-private: the base class whose `build` every Keras 3 optimizer calls, and
+    # the one whose `compile` every model's is (loading a `.keras` file compiles a
+    # model only if its `compile` is that very function).
     from keras.src.optimizers import base_optimizer
+    from keras.src.trainers import trainer
 
-    _check_when_built(base_optimizer.BaseOptimizer)
-    _check_when_compiled(keras.Model)
-    _decay_tables_through_strategy(keras.optimizers.Muon)
+    _patch(base_optimizer.BaseOptimizer, "build", _checking_tables_when_built)
+    _patch(trainer.Trainer, "compile", _checking_tables_when_compiled)
+    _patch(keras.optimizers.Muon, "_apply_weight_decay", _decaying_tables_through_strategy)
     tf_keras = sys.modules.get("tf_keras")
     if tf_keras is not None:
         # tf_keras-private: the base class whose `build` every tf_keras optimizer calls.
         from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
 
-        _check_when_built(tf_keras_optimizer._BaseOptimizer)
-        _check_when_compiled(tf_keras.Model)
+        _patch(tf_keras_optimizer._BaseOptimizer, "build", _checking_tables_when_built)
+        _patch(tf_keras.Model, "compile", _checking_tables_when_compiled)
 
 
 def _check_model(optimizer, variables):
@@ -301,11 +305,18 @@ def _check_model(optimizer, variables):
             check(_optimizer_for(optimizer, variable), table.path)
 
 
-def _check_when_built(optimizer_class):
-    build = optimizer_class.build
-    if getattr(build, "_checks_tables", False):
-        return
+def _patch(cls, name, wrap):
+    """Replaces method `name` of `cls` by `wrap(the method)`, once, keeping its name
+    and attributes."""
+    method = getattr(cls, name)
+    flag = f"_hybrid_strategy_{wrap.__name__}"
+    if not getattr(method, flag, False):
+        wrapped = functools.wraps(method)(wrap(method))
+        setattr(wrapped, flag, True)
+        setattr(cls, name, wrapped)
 
+
+def _checking_tables_when_built(build):
     def build_checking_tables(self, var_list, *args, **kwargs):
         # Wrappers (LossScaleOptimizer, MultiOptimizer) build the optimizers they wrap.
         if not (hasattr(self, "inner_optimizer") or hasattr(self, "_optimizer_map")):
@@ -315,30 +326,20 @@ def _check_when_built(optimizer_class):
                     check(self, table.path)
         return build(self, var_list, *args, **kwargs)
 
-    build_checking_tables._checks_tables = True
-    optimizer_class.build = build_checking_tables
+    return build_checking_tables
 
 
-def _check_when_compiled(model_class):
-    compile_model = model_class.compile
-    if getattr(compile_model, "_checks_tables", False):
-        return
-
+def _checking_tables_when_compiled(compile_model):
     def compile_checking_tables(self, *args, **kwargs):
         result = compile_model(self, *args, **kwargs)
         if self.optimizer is not None:
             _check_model(self.optimizer, self.trainable_variables)
         return result
 
-    compile_checking_tables._checks_tables = True
-    model_class.compile = compile_checking_tables
+    return compile_checking_tables
 
 
-def _decay_tables_through_strategy(muon_class):
-    apply_weight_decay = muon_class._apply_weight_decay
-    if getattr(apply_weight_decay, "_decays_tables", False):
-        return
-
+def _decaying_tables_through_strategy(apply_weight_decay):
     def apply_weight_decay_to_tables_once(self, variables):
         tables = [_table_behind(v) for v in variables if _table_behind(v) is not None]
         apply_weight_decay(self, [v for v in variables if _table_behind(v) is None])
@@ -356,8 +357,7 @@ def _decay_tables_through_strategy(muon_class):
         tf.__internal__.distribute.interim.maybe_merge_call(
             decay, tf.distribute.get_strategy(), tables)
 
-    apply_weight_decay_to_tables_once._decays_tables = True
-    muon_class._apply_weight_decay = apply_weight_decay_to_tables_once
+    return apply_weight_decay_to_tables_once
 
 
 # Running the rule on rows -------------------------------------------------------
@@ -427,14 +427,14 @@ def _run_on(selection, tables, optimizer, steps):
     with tf.device(selection.device):
         views = [RowsView(t, selection.shards, selection.indices) for t in tables]
         for view in views:
-            view._table.rows_view = view
+            view.table.rows_view = view
         try:
             with _without_xla(optimizer):
                 for step in steps:
                     step()
         finally:
             for view in views:
-                view._table.rows_view = None
+                view.table.rows_view = None
     return views
 
 

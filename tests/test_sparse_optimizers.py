@@ -133,7 +133,8 @@ def table_slots(optimizer):
     return [v for v in optimizer.variables if tuple(v.shape) == (ROWS, DIM)]
 
 
-def train_distributed(strategy, flavour, factory, tied, weights, ids, targets):
+def distributed(strategy, flavour, factory, tied, weights=None):
+    """(model, optimizer, traced training step) under `strategy`."""
     with strategy.scope():
         model = Model(flavour, tied, weights)
         optimizer = factory()
@@ -148,9 +149,7 @@ def train_distributed(strategy, flavour, factory, tied, weights, ids, targets):
                                           model.variables))
         strategy.run(replica_step, args=(ids, targets))
 
-    for s in range(STEPS):
-        step(ids[s], targets[s])
-    return model, optimizer
+    return model, optimizer, step
 
 
 def train_reference(flavour, factory, tied, weights, ids, targets, lazy):
@@ -167,8 +166,9 @@ def test_every_optimizer_trains_a_sharded_table_as_documented(strategy, name):
     ids, targets = batches()
     weights = [values(v) for v in Model(flavour, tied).variables]
     lazy = strategy.extended.sparse_update == "lazy" and name not in WHOLE_TABLE
-    model, optimizer = train_distributed(strategy, flavour, factory, tied, weights, ids,
-                                         targets)
+    model, optimizer, step = distributed(strategy, flavour, factory, tied, weights)
+    for s in range(STEPS):
+        step(ids[s], targets[s])
     reference, reference_optimizer = train_reference(flavour, factory, tied, weights, ids,
                                                      targets, lazy)
     table = so._table_behind(model.embedding.embeddings)
@@ -187,21 +187,7 @@ def test_every_optimizer_trains_a_sharded_table_as_documented(strategy, name):
 
 def test_lazy_steps_move_only_the_steps_rows(strategy):
     ids, targets = batches()
-    flavour, factory, tied = CASES["adamw"]
-    with strategy.scope():
-        model = Model(flavour, tied)
-        optimizer = factory()
-        optimizer.build(model.variables)
-
-    @tf.function
-    def step(ids, targets):
-        def replica_step(ids, targets):
-            with tf.GradientTape() as tape:
-                loss = model.loss(ids, targets)
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.variables),
-                                          model.variables))
-        strategy.run(replica_step, args=(ids, targets))
-
+    model, optimizer, step = distributed(strategy, *CASES["adamw"])
     step(ids[0], targets[0])
     before = [values(v) for v in [model.variables[0]] + table_slots(optimizer)]
     step(ids[1], targets[1])
@@ -288,18 +274,6 @@ def test_unsupported_optimizers_are_refused_before_a_step_is_traced(flavour, opt
                   else "PS table 'words/embeddings'", reason,
                   "placement_overrides={'"):
         assert words in message, message
-
-
-class Words(tf_keras.Model):
-    """A subclassed tf_keras model: its variables exist only once a step is traced."""
-
-    def __init__(self):
-        super().__init__(name="words_model")
-        self.words = tf_keras.layers.Embedding(10, 2, name="words")
-        self.out = tf_keras.layers.Dense(1, name="out")
-
-    def call(self, ids):
-        return self.out(tf.reshape(self.words(ids), (-1, 4)))
 
 
 def subclassed_words_model(flavour):
