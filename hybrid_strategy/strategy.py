@@ -125,11 +125,12 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             mirrored if it takes, with its optimizer slots, at most this many
             bytes on each worker (default 2 GiB); a larger one stays, with a
             warning. 0 keeps every table on its PS.
-        sparse_update: How PS tables apply optimizers whose dense form also moves
-            rows without gradient (SGD with momentum, Adam, RMSprop): "lazy"
-            (default: only the step's rows and their slots change, so a step costs
-            the same whatever the table size) or "exact" (every row, identical to
-            single-device training). SGD and Adagrad are exact either way.
+        sparse_update: Which rows of a PS table the optimizer's update moves:
+            "lazy" (default: the step's rows and their slots, so a step costs the
+            same whatever the table size) or "exact" (every row, identical to
+            single-device training with dense gradients). SGD without momentum and
+            Adagrad are exact either way; Adafactor and Muon's own update always
+            update the whole table (sparse_optimizers.py).
         devices: Single-machine mode only: the local devices to replicate over
             (default: every GPU, else the CPU).
         communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -461,30 +462,29 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):
-        """Applies an optimizer step shard by shard, each on its PS, row-sparse.
+        """Runs an optimizer's update of a PS table on its ps tasks (sparse_optimizers.py).
 
-        Other updates (assignments, weight decay) run `fn` on the table itself,
-        whose methods write each shard on its own device.
+        Other updates (assignments) run `fn` on the table itself, whose methods
+        write each shard on its own device.
         """
         args = distribute_utils.select_replica(0, args)
         kwargs = distribute_utils.select_replica(0, kwargs)
         optimizer = _optimizer_of(fn)
         grad = args[0] if args else None
-        with distribute_lib.UpdateContext(0):
-            if optimizer is None or not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+        if optimizer is not None and isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+            sparse_optimizers.check(optimizer, table.path)
+            # Not in an update context: writes of mirrored optimizer state (tf_keras'
+            # Adafactor and Nadam) then reach every replica's copy.
+            result = sparse_optimizers.update_table(
+                optimizer, fn, table, _shard_gradients(grad, table), args[1:], kwargs,
+                mode=self.sparse_update)
+        elif optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
+            sparse_optimizers.check(optimizer, table.path)
+            result = sparse_optimizers.decay_table(optimizer, fn, table,
+                                                   mode=self.sparse_update)
+        else:
+            with distribute_lib.UpdateContext(0):
                 result = fn(table, *args, **kwargs)
-            else:
-                updater = sparse_optimizers.row_updater(optimizer)
-                slots = {name: _table_of(slot) for name, slot
-                         in updater.slots(optimizer, table).items()}
-                updates = []
-                for k, part in enumerate(_shard_gradients(grad, table)):
-                    with tf.device(table.shards[k].device), tf.name_scope(f"ps_update_{k}"):
-                        updates.append(updater.apply(
-                            optimizer, table.shards[k],
-                            {name: slot.shards[k] for name, slot in slots.items()},
-                            part, mode=self.sparse_update))
-                result = tf.group(updates)
         return distribute_utils.update_regroup(self, [result], group)
 
     def _note_gradient_type(self, var, args):
@@ -646,6 +646,7 @@ def _install_keras_hooks():
     checkpointing.install_hooks()
     multi_step.install(_spans_devices)
     clipping.install_keras_hook(_under_hybrid_strategy)
+    sparse_optimizers.install_keras_hooks()
     batches.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
     service_input.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
     legacy = batches.legacy_keras()

@@ -107,6 +107,9 @@ class ShardedTable(tf.Variable):
         self.num_shards = len(rows)
         self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
         self._saving_variable = None
+        # While an optimizer updates some rows of the table (sparse_optimizers.py): the
+        # object standing in for them, which whole reads and writes go to instead.
+        self.rows_view = None
 
     # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
 
@@ -222,6 +225,8 @@ class ShardedTable(tf.Variable):
 
     def _write_rows(self, value, method):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if self.rows_view is not None:
+            return self.rows_view.write(method, value)
         ops = []
         for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
             with tf.device(shard.device):
@@ -437,6 +442,8 @@ def _tracing_for_export():
 
 def _read_whole(table):
     """The whole table as one tensor; its gradient flows to the table's handle."""
+    if table.rows_view is not None:
+        return table.rows_view.read()
     if _tracing_for_export():
         return gen_resource_variable_ops.read_variable_op(
             table.saving_variable.handle, table.dtype)
