@@ -112,9 +112,10 @@ def _install_keras3(applies):
         strategy = _iterator_strategy.get()
         if _on_cluster(strategy, applies) and array_input.supported(self._inputs):
             import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
+            # As Keras does: tf.data would stack a list of arrays (outputs' targets).
             return array_input.distribute_arrays(
-                strategy, self._inputs, self._batch_size, self._shuffle,
-                floatx=keras.backend.floatx())
+                strategy, keras.tree.lists_to_tuples(self._inputs), self._batch_size,
+                self._shuffle, floatx=keras.backend.floatx())
         return get_tf_dataset(self)
 
     adapter_class.get_tf_dataset = tf_dataset_of_shares

@@ -11,7 +11,7 @@ def define_flags():   # called under `if __name__ == "__main__":`, before app.ru
     flags.adopt_module_key_flags(common)              # so that --help lists them
     ...                                               # the example's own flags
 
-strategy = common.make_strategy("hybrid", "hybrid")   # or "mirrored", "none"
+strategy = common.start()   # in main: --strategy, --architecture, flags checked
 train = common.per_worker_dataset(                    # each worker makes its own batches
     strategy, lambda n, batch, seed: make_dataset(n, batch, seed=seed, repeat=True),
     FLAGS.batch_size, FLAGS.examples, FLAGS.seed)
@@ -25,6 +25,7 @@ ids = common.zipf_ids(np.random.default_rng(0), size=1000, count=64, exponent=1.
 import functools
 import time
 
+from absl import app
 from absl import flags
 from absl import logging
 import keras
@@ -74,6 +75,19 @@ def quiet_logs():
     # parsing flags, hence in main.
     tf.get_logger().setLevel("WARNING")
     logging.set_verbosity(logging.WARNING)
+
+
+def start():
+    """An example's main begins here: quiet logs, its batch flags checked, its strategy.
+
+    The strategy is made before anything else: on a cluster, connecting to it
+    invalidates variables made before.
+    """
+    quiet_logs()
+    if FLAGS.validation_examples < FLAGS.batch_size:
+        raise app.UsageError("--validation_examples must be at least --batch_size "
+                             "(partial batches are dropped).")
+    return make_strategy(FLAGS.strategy, FLAGS.architecture)
 
 
 def make_strategy(name, architecture):
