@@ -18,10 +18,16 @@ markers and this process's task name. Contenders:
              Keras 3 has no ParameterServerStrategy support.
 
 The models come from keras_examples/ (`build_model`, `make_dataset`), with their own
-defaults. The tf_keras contenders import the same modules with `keras` bound to tf_keras
-(plus the two `keras.ops` functions the examples use), so they build the same layers with
-the same sizes, optimizer and data; the language model's loss is computed the way tf_keras
-needs under a strategy (per-token cross-entropy averaged over the global batch).
+defaults. Input: `single` and `mwms` read the global batches of `make_dataset` (mwms
+sharded by data); `pss` and the HybridStrategy contenders give each worker an input
+function building only its own batches (`DatasetCreator`; `distribute_datasets_from_function`
+over the same examples as `make_dataset`'s, each worker reading its part of every global
+batch), so a worker's input costs its share of the examples.
+
+The tf_keras contenders import the same modules with `keras` bound to tf_keras (plus the
+two `keras.ops` functions the examples use), so they build the same layers with the same
+sizes, optimizer and data; the language model's loss is computed the way tf_keras needs
+under a strategy (per-token cross-entropy averaged over the global batch).
 
 Timing: `model.fit` with the spec's `steps_per_execution` (default 1), verbose 0, and a
 callback. For the synchronous contenders the callback receives every call's logs as
@@ -300,6 +306,31 @@ class Profiler:
             return {"error": str(e)}
 
 
+def per_worker_input(strategy, arrays, global_batch):
+    """`arrays` as a distributed dataset in which each worker builds only its own batches.
+
+    Worker w of W reads the w-th of W equal parts of every global batch (examples
+    [i * B, (i + 1) * B) make global batch i, as in the dataset that `single` reads),
+    so that the input pipeline costs a worker its share only, as ParameterServerStrategy's
+    `DatasetCreator` does.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from keras_examples import common  # pylint: disable=import-outside-toplevel
+
+    def dataset_fn(context):
+        share = global_batch // context.num_input_pipelines
+        begin = context.input_pipeline_id * share
+
+        def part(array):
+            by_batch = array.reshape((-1, global_batch) + array.shape[1:])
+            return by_batch[:, begin:begin + share].reshape((-1,) + array.shape[1:])
+
+        return common.batched_dataset(tf.nest.map_structure(part, arrays), share,
+                                      repeat=True)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
 def _is_number(value):
     try:
         float(value)
@@ -384,6 +415,10 @@ def run(spec):
             return dataset(context.num_input_pipelines, context.input_pipeline_id)
         train = keras.utils.experimental.DatasetCreator(dataset_fn)
         model.fit(train, epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
+    elif contender in HYBRID_ARCHITECTURES:
+        arrays = module.make_arrays(batch * total, seed=0, **data_kwargs)
+        model.fit(per_worker_input(strategy, arrays, batch), epochs=1,
+                  steps_per_epoch=total, **fit_kwargs)
     else:
         model.fit(dataset(), epochs=1, steps_per_epoch=total, **fit_kwargs)
 
