@@ -46,17 +46,21 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
+from hybrid_strategy import batched_lookups
 from hybrid_strategy import batches
 from hybrid_strategy import checkpointing
 from hybrid_strategy import clipping
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import creation
+from hybrid_strategy import end_of_data
+from hybrid_strategy import increments
 from hybrid_strategy import liveness
 from hybrid_strategy import multi_step
 from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
+from hybrid_strategy import wire
 
 _LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 _CHIEF_JOB = "chief"
@@ -118,6 +122,12 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             (default: only the step's rows and their slots change, so a step costs
             the same whatever the table size) or "exact" (every row, identical to
             single-device training). SGD and Adagrad are exact either way.
+        wire_dtype: The dtype in which rows of PS tables cross between tasks: None
+            (default: the table's own) or "bfloat16" (half the bytes of float32).
+            Looked-up rows leave the PS and row gradients leave the workers in it,
+            and are cast back on arrival: tables, their sums across workers and
+            their updates stay in the table's dtype on the PS. Training then
+            differs from float32 training by bfloat16's rounding of those rows.
         devices: Single-machine mode only: the local devices to replicate over
             (default: every GPU, else the CPU).
         communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -131,7 +141,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, cluster_resolver=None, *, architecture="hybrid",
                  placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
-                 table_shards=None, sparse_update="lazy", devices=None,
+                 table_shards=None, sparse_update="lazy", wire_dtype=None, devices=None,
                  communication_options=None, connect_timeout=60.0, task_timeout=60.0):
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
@@ -143,7 +153,8 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
         extended = HybridExtended(
             self, config, architecture=architecture,
             placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards, sparse_update=sparse_update, devices=devices,
+            table_shards=table_shards, sparse_update=sparse_update,
+            wire_dtype=wire_dtype, devices=devices,
             communication_options=communication_options,
             connect_timeout=connect_timeout, task_timeout=task_timeout)
         # MirroredStrategy.__init__ would build its own extended object.
@@ -179,7 +190,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, sparse_update,
-                 devices, communication_options, connect_timeout, task_timeout):
+                 wire_dtype, devices, communication_options, connect_timeout,
+                 task_timeout):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -195,6 +207,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             raise ValueError(f"sparse_update={sparse_update!r}; use one of "
                              f"{sparse_optimizers.MODES}.")
         self.sparse_update = sparse_update
+        self.wire_dtype = wire.check_wire_dtype(wire_dtype)
         if config is None:
             worker_devices, ps_devices = _local_devices(devices), [_LOCAL_CPU]
         else:
@@ -314,7 +327,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                     tf.TensorShape(shape)[1:])
             with tf.device(device):
                 shards.append(next_creator(**shard_kwargs))
-        return table_class(shards, path, name=name)
+        return table_class(shards, path, name=name, wire_dtype=self.wire_dtype)
 
     def move_to_ps(self, keras_variable):
         """Moves a mirrored Keras 3 variable that is read by row onto the PS.
@@ -373,17 +386,22 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         results = [None] * len(value_destination_pairs)
-        collective = []
+        collective, sparse, tables, shard_sums = [], [], {}, {}
         for i, (value, destinations) in enumerate(value_destination_pairs):
-            table = _table_of_gradient(value)
+            tables[i] = table = _table_of_gradient(value)
             if table is None:
                 collective.append(i)
                 continue
             components = _components(value)
             if isinstance(components[0], tf.IndexedSlices):
-                sums = communication.sum_sparse(components, self._devices, table)
+                sparse.append((i, (components, table)))
             else:
-                sums = communication.sum_dense(components, self._devices, table)
+                shard_sums[i] = communication.sum_dense(components, self._devices, table)
+        # Every table's rows at once: a worker's parts bound for one PS cross together.
+        sums = communication.sum_sparse([pair for _, pair in sparse], self._devices)
+        shard_sums.update(zip((i for i, _ in sparse), sums))
+        for i, sums in shard_sums.items():
+            table = tables[i]
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 sums = [_scaled(s, 1.0 / self._num_replicas_in_sync) for s in sums]
             total = communication.shard_summed(sums, table)
@@ -482,8 +500,8 @@ class _MovedTable(table_lib.ShardedTable):
     the table keeps the mirrored variable's, so the optimizer still finds its slots.
     """
 
-    def __init__(self, shards, path, name=None, *, replaced_id):
-        super().__init__(shards, path, name=name)
+    def __init__(self, shards, path, name=None, wire_dtype=None, *, replaced_id):
+        super().__init__(shards, path, name=name, wire_dtype=wire_dtype)
         self._replaced_id = replaced_id
 
     @property
@@ -512,8 +530,11 @@ def _install_keras_hooks():
     (table.py), moving a mirrored variable read by row to a PS (`move_to_ps`), the
     layer each weight belongs to (creation.py), clipping of the summed gradient
     (clipping.py), id checks in Embedding layers (table.py), the even split of
-    batches (batches.py), tables in Keras weight files (checkpointing.py) and
-    several steps per call without a tf.while_loop (multi_step.py).
+    batches (batches.py), tables in Keras weight files (checkpointing.py),
+    several steps per call without a tf.while_loop (multi_step.py), increments
+    of mirrored variables made per copy (increments.py), functional models'
+    tables looked up at once (batched_lookups.py) and the end-of-data check
+    picking each worker's batch on that worker (end_of_data.py).
     """
     import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
 
@@ -524,9 +545,14 @@ def _install_keras_hooks():
     multi_step.install(_spans_devices)
     clipping.install_keras_hook(_under_hybrid_strategy)
     batches.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
+    increments.install(lambda strategy: isinstance(strategy, HybridStrategy))
+    end_of_data.install(_spans_devices)
     legacy = batches.legacy_keras()
     for keras_module in (keras, legacy) if legacy is not None else (keras,):
         table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)
+    # After the id checks: a table looked up at once returns its rows before them.
+    batched_lookups.install(lambda: _under_hybrid_strategy()
+                            and not tf.distribute.in_cross_replica_context())
 
 
 def _components(value):
