@@ -10,6 +10,8 @@ markers and this process's task name. Contenders:
   hybrid     Keras 3, `HybridStrategy(architecture="hybrid")`, this process the chief
   allreduce  of a cluster whose workers and ps run `python -m hybrid_strategy.server`.
   ps
+  hybrid-bf16  hybrid with `wire_dtype="bfloat16"`: table rows cross between tasks in
+             bfloat16 (tables and their updates stay float32).
   mwms       tf_keras (TF_USE_LEGACY_KERAS=1), `tf.distribute.MultiWorkerMirroredStrategy`:
              one such process per worker, TF_CONFIG with worker tasks only; worker 0
              writes the results. Keras 3 `model.fit` fails with MWMS on TF 2.21.
@@ -61,8 +63,11 @@ import threading
 import time
 import types
 
-CONTENDERS = ("hybrid", "allreduce", "ps", "mwms", "pss", "single")
-HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "allreduce": "allreduce", "ps": "ps"}
+CONTENDERS = ("hybrid", "hybrid-bf16", "allreduce", "ps", "mwms", "pss", "single")
+HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "hybrid-bf16": "hybrid", "allreduce": "allreduce",
+                        "ps": "ps"}
+# HybridStrategy arguments of a contender besides its architecture.
+HYBRID_OPTIONS = {"hybrid-bf16": {"wire_dtype": "bfloat16"}}
 LEGACY_KERAS = ("mwms", "pss")  # contenders that run under tf_keras
 _HANDSHAKE_TIMEOUT = 300.0  # seconds a process waits for the harness at a boundary
 
@@ -153,7 +158,8 @@ def make_strategy(contender, num_ps):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if contender in HYBRID_ARCHITECTURES:
         import hybrid_strategy  # pylint: disable=import-outside-toplevel
-        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender])
+        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender],
+                                              **HYBRID_OPTIONS.get(contender, {}))
     if contender == "mwms":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if contender == "pss":
