@@ -438,6 +438,7 @@ def run(spec):
         "tensorflow": tf.__version__,
         "strategy": type(strategy).__name__,
         "architecture": HYBRID_ARCHITECTURES.get(contender),
+        "strategy_options": HYBRID_OPTIONS.get(contender, {}),
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "global_batch": batch,
         "warmup_steps": warmup_steps,

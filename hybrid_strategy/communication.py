@@ -125,12 +125,13 @@ def _merged(host_slices):
 def transfer(parts, source, destination):
     """`parts` (`(IndexedSlices, wire dtype)` pairs) as they arrive on `destination`,
     sent from `source`: parts alike in dtypes cross as one tensor of row ids and one
-    of values (wire.py), in their wire dtype (None: their own)."""
+    of values (wire.py), in their wire dtype (None: their own), whatever the
+    dtypes of their ids."""
     groups = collections.OrderedDict()
     for i, (part, wire_dtype) in enumerate(parts):
-        groups.setdefault((part.indices.dtype, part.values.dtype, wire_dtype), []).append(i)
+        groups.setdefault((part.values.dtype, wire_dtype), []).append(i)
     arrived = [None] * len(parts)
-    for (_, dtype, wire_dtype), members in groups.items():
+    for (dtype, wire_dtype), members in groups.items():
         group = [parts[i][0] for i in members]
         if len(group) == 1 and wire_dtype is None:
             arrived[members[0]] = group[0]  # TensorFlow sends it as it is
@@ -139,7 +140,7 @@ def transfer(parts, source, destination):
             ids, _ = wire.pack_ids([part.indices for part in group])
             values = wire.pack_values([part.values for part in group], wire_dtype)
         with tf.device(destination), tf.name_scope("ps_aggregation"):
-            indices, counts = wire.unpack_ids(ids, len(group))
+            indices, counts = wire.unpack_ids(ids, [part.indices.dtype for part in group])
             rows = wire.unpack_values(values, counts,
                                       [part.values.shape[1:] for part in group], dtype)
             for i, index, row in zip(members, indices, rows):

@@ -607,13 +607,13 @@ def _gather_rows(requests, exporting=False):
 
 def _fetch(device, parts):
     """Gathers `(shard, its table, local ids)` rows on `device`, their PS task; parts
-    alike in dtypes cross both ways as one tensor (wire.py), rows in the table's
-    `wire_dtype`."""
+    whose rows are alike in dtypes cross both ways as one tensor (wire.py), rows in
+    the table's `wire_dtype`."""
     groups = collections.OrderedDict()
-    for j, (_, table, ids) in enumerate(parts):
-        groups.setdefault((ids.dtype, table.dtype, table.wire_dtype), []).append(j)
+    for j, (_, table, _) in enumerate(parts):
+        groups.setdefault((table.dtype, table.wire_dtype), []).append(j)
     rows = [None] * len(parts)
-    for (_, dtype, wire_dtype), members in groups.items():
+    for (dtype, wire_dtype), members in groups.items():
         group = [parts[j] for j in members]
         if len(group) == 1 and wire_dtype is None:
             shard, _, ids = group[0]
@@ -623,7 +623,7 @@ def _fetch(device, parts):
             continue
         packed_ids, counts = wire.pack_ids([ids for _, _, ids in group])
         with tf.device(device):
-            local_ids, _ = wire.unpack_ids(packed_ids, len(group))
+            local_ids, _ = wire.unpack_ids(packed_ids, [ids.dtype for _, _, ids in group])
             packed_rows = wire.pack_values(
                 [gen_resource_variable_ops.resource_gather(shard.handle, ids, dtype=dtype)
                  for (shard, _, _), ids in zip(group, local_ids)], wire_dtype)

@@ -18,7 +18,7 @@ import tensorflow as tf
 from hybrid_strategy import wire
 ids, counts = wire.pack_ids([tf.constant([4, 1]), tf.constant([7])])
 print(ids.numpy())                                    # [2 1 4 1 7]
-parts, counts = wire.unpack_ids(ids, 2)
+parts, counts = wire.unpack_ids(ids, [tf.int32, tf.int32])
 values = wire.pack_values([tf.ones((2, 3)), tf.zeros((1, 1))], "bfloat16")
 print(values.dtype.name, values.shape)                # bfloat16 (7,)
 rows = wire.unpack_values(values, counts, [(3,), (1,)], tf.float32)
@@ -57,19 +57,23 @@ def from_wire(values, dtype):
 
 
 def pack_ids(parts):
-    """1-D integer tensors of one dtype as one, [count of each part, then every id];
-    returns it and the counts (a 1-D tensor)."""
+    """1-D integer tensors as one, [count of each part, then every id], in int64 if
+    their dtypes differ; returns it and the counts (a 1-D tensor of its dtype)."""
     if not parts:
         raise ValueError("pack_ids needs at least one part.")
-    dtype = parts[0].dtype
+    dtypes = {part.dtype for part in parts}
+    dtype = dtypes.pop() if len(dtypes) == 1 else tf.int64
+    parts = [tf.cast(part, dtype) for part in parts]
     counts = tf.concat([tf.shape(part, out_type=dtype) for part in parts], 0)
-    return tf.concat([counts] + list(parts), 0), counts
+    return tf.concat([counts] + parts, 0), counts
 
 
-def unpack_ids(packed, num_parts):
-    """The inverse of `pack_ids`: (the `num_parts` parts, their counts)."""
-    counts = packed[:num_parts]
-    return tf.split(packed[num_parts:], counts, num=num_parts), counts
+def unpack_ids(packed, dtypes):
+    """The inverse of `pack_ids`, given each part's dtype: (the parts, their counts)."""
+    n = len(dtypes)
+    counts = packed[:n]
+    return ([tf.cast(part, dtype)
+             for part, dtype in zip(tf.split(packed[n:], counts, num=n), dtypes)], counts)
 
 
 def pack_values(parts, wire_dtype=None):

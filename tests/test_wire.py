@@ -77,12 +77,14 @@ def test_training_with_bfloat16_rows_converges_as_float32_does(report):
 
 
 def test_packed_ids_and_values_come_back_as_they_were_sent():
-    ids = [tf.constant([4, 1]), tf.constant([], tf.int32), tf.constant([7, 7, 0])]
+    ids = [tf.constant([4, 1]), tf.constant([], tf.int32), tf.constant([7, 7, 0], tf.int64)]
     values = [tf.reshape(tf.range(6.0), (2, 3)), tf.zeros((0, 1)),
               tf.reshape(tf.range(6.0) / 7, (3, 2))]
     packed, counts = wire.pack_ids(ids)
+    assert packed.dtype == tf.int64  # int32 and int64 ids cross together
     assert packed.numpy().tolist() == [2, 0, 3, 4, 1, 7, 7, 0]
-    unpacked, _ = wire.unpack_ids(packed, 3)
+    unpacked, _ = wire.unpack_ids(packed, [i.dtype for i in ids])
+    assert [i.dtype for i in unpacked] == [tf.int32, tf.int32, tf.int64]
     assert [i.numpy().tolist() for i in unpacked] == [[4, 1], [], [7, 7, 0]]
     rows = wire.unpack_values(wire.pack_values(values), counts, [(3,), (1,), (2,)], tf.float32)
     for row, value in zip(rows, values):
