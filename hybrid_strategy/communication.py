@@ -127,11 +127,9 @@ def transfer(parts, source, destination):
     sent from `source`: parts alike in dtypes cross as one tensor of row ids and one
     of values (wire.py), in their wire dtype (None: their own), whatever the
     dtypes of their ids."""
-    groups = collections.OrderedDict()
-    for i, (part, wire_dtype) in enumerate(parts):
-        groups.setdefault((part.values.dtype, wire_dtype), []).append(i)
     arrived = [None] * len(parts)
-    for (dtype, wire_dtype), members in groups.items():
+    for (dtype, wire_dtype), members in wire.alike(
+            (part.values.dtype, wire_dtype) for part, wire_dtype in parts):
         group = [parts[i][0] for i in members]
         if len(group) == 1 and wire_dtype is None:
             arrived[members[0]] = group[0]  # TensorFlow sends it as it is

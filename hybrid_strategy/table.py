@@ -596,39 +596,38 @@ def _gather_rows(requests, exporting=False):
             wanted.setdefault(table.shards[k].device, []).append(((i, k), ids))
     fetched = {}
     for device, parts in wanted.items():
-        shards = [requests[i][0] for (i, _), _ in parts]
-        rows = _fetch(device, [(table.shards[k], table, ids)
-                               for table, ((_, k), ids) in zip(shards, parts)])
+        rows = _fetch(device, [(requests[i][0], k, ids) for (i, k), ids in parts])
         fetched.update(zip((key for key, _ in parts), rows))
-    return [fetched[(i, 0)] if positions_i is None else
-            tf.dynamic_stitch(positions_i, [fetched[(i, k)] for k in range(table.num_shards)])
-            for i, ((table, _), positions_i) in enumerate(zip(requests, positions))]
+    rows = []
+    for i, ((table, _), positions_i) in enumerate(zip(requests, positions)):
+        parts = [fetched[(i, k)] for k in range(table.num_shards)]
+        rows.append(parts[0] if positions_i is None else tf.dynamic_stitch(positions_i, parts))
+    return rows
 
 
 def _fetch(device, parts):
-    """Gathers `(shard, its table, local ids)` rows on `device`, their PS task; parts
-    whose rows are alike in dtypes cross both ways as one tensor (wire.py), rows in
-    the table's `wire_dtype`."""
-    groups = collections.OrderedDict()
-    for j, (_, table, _) in enumerate(parts):
-        groups.setdefault((table.dtype, table.wire_dtype), []).append(j)
+    """Gathers the rows of `(table, shard number, local ids)` parts on `device`, their
+    PS task; parts whose rows are alike in dtypes cross both ways as one tensor
+    (wire.py), rows in the table's `wire_dtype`."""
     rows = [None] * len(parts)
-    for (dtype, wire_dtype), members in groups.items():
+    for (dtype, wire_dtype), members in wire.alike(
+            (table.dtype, table.wire_dtype) for table, _, _ in parts):
         group = [parts[j] for j in members]
         if len(group) == 1 and wire_dtype is None:
-            shard, _, ids = group[0]
+            table, k, ids = group[0]
             with tf.device(device):
                 rows[members[0]] = gen_resource_variable_ops.resource_gather(
-                    shard.handle, ids, dtype=dtype)
+                    table.shards[k].handle, ids, dtype=dtype)
             continue
         packed_ids, counts = wire.pack_ids([ids for _, _, ids in group])
         with tf.device(device):
             local_ids, _ = wire.unpack_ids(packed_ids, [ids.dtype for _, _, ids in group])
             packed_rows = wire.pack_values(
-                [gen_resource_variable_ops.resource_gather(shard.handle, ids, dtype=dtype)
-                 for (shard, _, _), ids in zip(group, local_ids)], wire_dtype)
+                [gen_resource_variable_ops.resource_gather(table.shards[k].handle, ids,
+                                                           dtype=dtype)
+                 for (table, k, _), ids in zip(group, local_ids)], wire_dtype)
         unpacked = wire.unpack_values(packed_rows, counts,
-                                      [table.shape[1:] for _, table, _ in group], dtype)
+                                      [table.shape[1:] for table, _, _ in group], dtype)
         for j, part in zip(members, unpacked):
             rows[j] = part
     return rows

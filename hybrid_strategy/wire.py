@@ -56,6 +56,15 @@ def from_wire(values, dtype):
     return values if values.dtype == dtype else tf.cast(values, dtype)
 
 
+def alike(keys):
+    """[(key, [positions of `keys` equal to it])], keys in order of first appearance:
+    the groups of parts that can cross together (equal dtypes, say)."""
+    groups = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.items())
+
+
 def pack_ids(parts):
     """1-D integer tensors as one, [count of each part, then every id], in int64 if
     their dtypes differ; returns it and the counts (a 1-D tensor of its dtype)."""
