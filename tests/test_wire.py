@@ -60,6 +60,22 @@ def test_the_step_counter_has_every_step_in_every_copy(report):
     assert report["exact"]["iteration_copies"] == [6, 6]
 
 
+def test_several_steps_per_call_end_each_epoch_and_keep_batches_on_their_worker(report):
+    # Two epochs of 7 batches, 3 steps per call: calls of 3, 3 and 1 steps each.
+    case = report["multi_step"]
+    assert case["calls"] == 6
+    assert case["iterations"] == 14
+    assert case["iteration_copies"] == [14, 14]
+    errors = case["relative_errors"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+    names = case["transfers"]["names"]
+    between_workers = names.get("worker0->worker1", []) + names.get("worker1->worker0", [])
+    crossing = [name for name in between_workers
+                if any(part in name for part in ("IteratorGetNext", "Optional", "cond/output"))]
+    assert not crossing, between_workers
+
+
 def test_a_bfloat16_step_is_the_float32_step_within_bfloat16_rounding(report):
     errors = report["bfloat16"]["update_errors"]
     assert len(errors) == 8, errors

@@ -12,6 +12,8 @@ layer used on two inputs, a masked sequence feature, float ids.
 - "bfloat16": one SGD step with `wire_dtype="bfloat16"` against the same step in
   float32 (relative error of each weight's update).
 - "convergence": the training loss of 40 Adagrad steps, in float32 and in bfloat16.
+- "multi_step": two epochs of 7 batches with `steps_per_execution=3` (calls of 3, 3
+  and 1 steps) against single-device training, and the tensors its calls send.
 
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/wire_scenario.py
 """
@@ -74,27 +76,29 @@ def dataset(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
-def trained(weights, make_optimizer, x, y, **strategy_options):
-    """(model, training losses) after one epoch on (x, y) under HybridStrategy."""
+def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1,
+            **strategy_options):
+    """(model, training losses) after `epochs` on (x, y) under HybridStrategy."""
     strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
                                               **strategy_options)
     with strategy.scope():
         model = build_model()
         model.set_weights(weights)
-        model.compile(optimizer=make_optimizer(), loss="mse")
+        model.compile(optimizer=make_optimizer(), loss="mse",
+                      steps_per_execution=steps_per_execution)
     losses = []
-    model.fit(dataset(x, y), epochs=1, verbose=0, shuffle=False, callbacks=[
+    model.fit(dataset(x, y), epochs=epochs, verbose=0, shuffle=False, callbacks=[
         keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: losses.append(float(logs["loss"])))])
     return model, losses
 
 
-def single_device(weights, optimizer, x, y):
+def single_device(weights, optimizer, x, y, epochs=1):
     """Training on one device with dense gradients (each row once per step)."""
     model = build_model()
     model.set_weights(weights)
     variables = model.trainable_variables
-    for start in range(0, len(y), GLOBAL_BATCH):
+    for start in list(range(0, len(y), GLOBAL_BATCH)) * epochs:
         batch = {k: v[start:start + GLOBAL_BATCH] for k, v in x.items()}
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(batch) - y[start:start + GLOBAL_BATCH]))
@@ -109,12 +113,13 @@ def relative_errors(model, actual, expected):
             for w, a, e in zip(model.weights, actual, expected)}
 
 
-def exact_case():
-    x, y = make_data(6)
+def exact_case(steps=6, epochs=1, steps_per_execution=1):
+    x, y = make_data(steps)
     weights = initial_weights()
-    reference = single_device(weights, keras.optimizers.Adagrad(0.1), x, y)
+    reference = single_device(weights, keras.optimizers.Adagrad(0.1), x, y, epochs)
     with step_transfers.RunMetadata() as metadata:
-        model, _ = trained(weights, lambda: keras.optimizers.Adagrad(0.1), x, y)
+        model, losses = trained(weights, lambda: keras.optimizers.Adagrad(0.1), x, y,
+                                epochs, steps_per_execution)
     iterations = model.optimizer.iterations
     return {
         "relative_errors": relative_errors(model, model.get_weights(),
@@ -122,6 +127,7 @@ def exact_case():
         "transfers": step_transfers.count_transfers(metadata.result, names=True),
         "iterations": int(iterations.numpy()),
         "iteration_copies": [int(v.numpy()) for v in iterations.value.values],
+        "calls": len(losses),
     }
 
 
@@ -148,7 +154,8 @@ def main():
     # The strategy connects this process to the cluster: before any variable.
     hybrid_strategy.HybridStrategy()
     report = {"exact": exact_case(), "bfloat16": bfloat16_case(),
-              "convergence": convergence_case()}
+              "convergence": convergence_case(),
+              "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3)}
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 
