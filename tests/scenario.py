@@ -395,6 +395,19 @@ def report(make_strategy, cases=CASES):
     return out
 
 
+def local_cpu_replicas(count):
+    """Splits this process's CPU into `count` devices (before TensorFlow uses it); their names.
+
+    None for 0: the scenario runs on a cluster.
+    """
+    if not count:
+        return None
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    return [f"/cpu:{i}" for i in range(count)]
+
+
 def main(argv):
     import hybrid_strategy
 
@@ -405,11 +418,8 @@ def main(argv):
     make_strategy = functools.partial(hybrid_strategy.HybridStrategy,
                                       min_shard_bytes=MIN_SHARD_BYTES)
     if args.local_replicas:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * args.local_replicas)
         make_strategy = functools.partial(
-            make_strategy, devices=[f"/cpu:{i}" for i in range(args.local_replicas)])
+            make_strategy, devices=local_cpu_replicas(args.local_replicas))
     json.dump(report(make_strategy), sys.stdout)
     sys.stdout.write("\n")
 
