@@ -10,6 +10,8 @@ markers and this process's task name. Contenders:
   hybrid     Keras 3, `HybridStrategy(architecture="hybrid")`, this process the chief
   allreduce  of a cluster whose workers and ps run `python -m hybrid_strategy.server`.
   ps
+  hybrid-bf16  hybrid with `wire_dtype="bfloat16"`: table rows cross between tasks in
+             bfloat16 (tables and their updates stay float32).
   mwms       tf_keras (TF_USE_LEGACY_KERAS=1), `tf.distribute.MultiWorkerMirroredStrategy`:
              one such process per worker, TF_CONFIG with worker tasks only; worker 0
              writes the results. Keras 3 `model.fit` fails with MWMS on TF 2.21.
@@ -18,10 +20,16 @@ markers and this process's task name. Contenders:
              Keras 3 has no ParameterServerStrategy support.
 
 The models come from keras_examples/ (`build_model`, `make_dataset`), with their own
-defaults. The tf_keras contenders import the same modules with `keras` bound to tf_keras
-(plus the two `keras.ops` functions the examples use), so they build the same layers with
-the same sizes, optimizer and data; the language model's loss is computed the way tf_keras
-needs under a strategy (per-token cross-entropy averaged over the global batch).
+defaults. Input: `single` and `mwms` read the global batches of `make_dataset` (mwms
+sharded by data); `pss` and the HybridStrategy contenders give each worker an input
+function building only its own batches (`DatasetCreator`; `distribute_datasets_from_function`
+over the same examples as `make_dataset`'s, each worker reading its part of every global
+batch), so a worker's input costs its share of the examples.
+
+The tf_keras contenders import the same modules with `keras` bound to tf_keras (plus the
+two `keras.ops` functions the examples use), so they build the same layers with the same
+sizes, optimizer and data; the language model's loss is computed the way tf_keras needs
+under a strategy (per-token cross-entropy averaged over the global batch).
 
 Timing: `model.fit` with the spec's `steps_per_execution` (default 1), verbose 0, and a
 callback. For the synchronous contenders the callback receives every call's logs as
@@ -56,8 +64,11 @@ import threading
 import time
 import types
 
-CONTENDERS = ("hybrid", "allreduce", "ps", "mwms", "pss", "single")
-HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "allreduce": "allreduce", "ps": "ps"}
+CONTENDERS = ("hybrid", "hybrid-bf16", "allreduce", "ps", "mwms", "pss", "single")
+HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "hybrid-bf16": "hybrid", "allreduce": "allreduce",
+                        "ps": "ps"}
+# HybridStrategy arguments of a contender besides its architecture.
+HYBRID_OPTIONS = {"hybrid-bf16": {"wire_dtype": "bfloat16"}}
 LEGACY_KERAS = ("mwms", "pss")  # contenders that run under tf_keras
 _HANDSHAKE_TIMEOUT = 300.0  # seconds a process waits for the harness at a boundary
 
@@ -155,7 +166,8 @@ def make_strategy(contender, num_ps):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if contender in HYBRID_ARCHITECTURES:
         import hybrid_strategy  # pylint: disable=import-outside-toplevel
-        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender])
+        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender],
+                                              **HYBRID_OPTIONS.get(contender, {}))
     if contender == "mwms":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if contender == "pss":
@@ -313,6 +325,31 @@ class Profiler:
             return {"error": str(e)}
 
 
+def per_worker_input(strategy, arrays, global_batch):
+    """`arrays` as a distributed dataset in which each worker builds only its own batches.
+
+    Worker w of W reads the w-th of W equal parts of every global batch (examples
+    [i * B, (i + 1) * B) make global batch i, as in the dataset that `single` reads),
+    so that the input pipeline costs a worker its share only, as ParameterServerStrategy's
+    `DatasetCreator` does.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from keras_examples import common  # pylint: disable=import-outside-toplevel
+
+    def dataset_fn(context):
+        share = global_batch // context.num_input_pipelines
+        begin = context.input_pipeline_id * share
+
+        def part(array):
+            by_batch = array.reshape((-1, global_batch) + array.shape[1:])
+            return by_batch[:, begin:begin + share].reshape((-1,) + array.shape[1:])
+
+        return common.batched_dataset(tf.nest.map_structure(part, arrays), share,
+                                      repeat=True)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
 def _is_number(value):
     try:
         float(value)
@@ -397,6 +434,10 @@ def run(spec):
             return dataset(context.num_input_pipelines, context.input_pipeline_id)
         train = keras.utils.experimental.DatasetCreator(dataset_fn)
         model.fit(train, epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
+    elif contender in HYBRID_ARCHITECTURES:
+        arrays = module.make_arrays(batch * total, seed=0, **data_kwargs)
+        model.fit(per_worker_input(strategy, arrays, batch), epochs=1,
+                  steps_per_epoch=total, **fit_kwargs)
     else:
         model.fit(dataset(), epochs=1, steps_per_epoch=total, **fit_kwargs)
 
@@ -410,6 +451,7 @@ def run(spec):
         "tensorflow": tf.__version__,
         "strategy": type(strategy).__name__,
         "architecture": HYBRID_ARCHITECTURES.get(contender),
+        "strategy_options": HYBRID_OPTIONS.get(contender, {}),
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "global_batch": batch,
         "warmup_steps": warmup_steps,

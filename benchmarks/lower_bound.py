@@ -17,7 +17,10 @@ direction (a worker sends at least this much, and receives at least this much):
                                     2(N-1)/N * R_t >= R_t >= r_t rows: never less.
 
 So a worker moves at least 2 x (dense + sparse) bytes per step, sent plus received; that
-is the figure printed beside the measured sent + received bytes. (The issue writes the
+is the figure printed beside the measured sent + received bytes. With rows crossing in
+bfloat16 (`HybridStrategy(wire_dtype="bfloat16")`, the `hybrid-bf16` contender), the
+sparse term counts 2 bytes per element instead of the table's 4: the compressed bound,
+printed beside it (dense gradients still cross in float32). (The issue writes the
 bound as 2(N-1)/N * M + 2 r row_bytes: that counts the all-reduce in one direction and
 the rows in both; per direction, as here, the all-reduce term is the same and the rows
 count once, and the total counts both directions of both.) With one worker nothing has
@@ -55,26 +58,39 @@ class Table:
     rows: int             # R: rows of the table
     row_bytes: int        # bytes of one row
     unique_rows: float    # r: mean unique rows one worker's share touches per step
+    itemsize: int = 4     # bytes of one element in the table's dtype
 
-    def bytes_per_direction(self, workers):
+    def bytes_per_direction(self, workers, itemsize=None):
+        """Rows pulled (or pushed) per step, each element in `itemsize` bytes (default:
+        the table's own)."""
         if workers <= 1:
             return 0.0
-        return self.unique_rows * self.row_bytes
+        return self.unique_rows * self.row_bytes * (itemsize or self.itemsize) / self.itemsize
+
+
+# Rows crossing in a narrower dtype (HybridStrategy(wire_dtype=...)): its bytes per element.
+COMPRESSED_ROWS = ("bfloat16", 2)
 
 
 def lower_bound(dense_bytes, tables, workers):
     """Per worker per step: {"dense_per_direction", "sparse_per_direction",
-    "per_direction", "sent_plus_received", "tables": {name: bytes per direction}}."""
+    "per_direction", "sent_plus_received", "tables": {name: bytes per direction},
+    "compressed": the same with rows in bfloat16}."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     dense = 2 * (workers - 1) / workers * dense_bytes
     per_table = {t.name: t.bytes_per_direction(workers) for t in tables}
     sparse = sum(per_table.values())
+    dtype, itemsize = COMPRESSED_ROWS
+    compressed = sum(t.bytes_per_direction(workers, itemsize) for t in tables)
     return {"workers": workers, "dense_bytes": dense_bytes,
             "dense_per_direction": dense,
-            "dense_via_ps_per_direction": dense_bytes if workers > 1 else 0, "sparse_per_direction": sparse,
+            "dense_via_ps_per_direction": dense_bytes if workers > 1 else 0,
+            "sparse_per_direction": sparse,
             "per_direction": dense + sparse, "sent_plus_received": 2 * (dense + sparse),
-            "tables": per_table}
+            "tables": per_table,
+            "compressed": {"rows_dtype": dtype, "sparse_per_direction": compressed,
+                           "sent_plus_received": 2 * (dense + compressed)}}
 
 
 def gradient_profile(model, batches):
@@ -114,7 +130,7 @@ def gradient_profile(model, batches):
         if sparse[k]:
             row = int(np.prod(shape[1:])) * itemsize
             tables.append(Table(v.path if hasattr(v, "path") else v.name, shape[0], row,
-                                float(np.mean(unique[k]))))
+                                float(np.mean(unique[k])), itemsize))
         elif sparse[k] is not None:
             dense_bytes += size
     return dense_bytes, tables
@@ -158,6 +174,10 @@ def describe(bound):
                      f"{bound['tables'][t['name']]:,.0f} B each way")
     lines.append(f"  total: {bound['per_direction']:,.0f} B each way, "
                  f"{bound['sent_plus_received']:,.0f} B sent + received")
+    compressed = bound["compressed"]
+    lines.append(f"  with rows in {compressed['rows_dtype']}: rows "
+                 f"{compressed['sparse_per_direction']:,.0f} B each way, "
+                 f"{compressed['sent_plus_received']:,.0f} B sent + received")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import sys
 from benchmarks import trace_summary
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ORDER = ("hybrid", "allreduce", "ps", "mwms", "pss", "single")
+ORDER = ("hybrid", "hybrid-bf16", "allreduce", "ps", "mwms", "pss", "single")
 
 
 # Formatting -----------------------------------------------------------------------
@@ -110,6 +110,8 @@ def markdown(run):
         vs = ""
         if s.get("vs_lower_bound") is not None and not alone:
             vs = f"{s['vs_lower_bound']:.2f}"
+            if s.get("vs_compressed_bound") is not None:
+                vs += f" ({s['vs_compressed_bound']:.2f} of the bound with bfloat16 rows)"
             if not c.get("synchronous", True):
                 vs += " (async: a worker runs 1/W of the steps)"
         throughput = f"{c['units_per_s']:,.0f}"
@@ -142,7 +144,11 @@ def bound_line(bound):
             f"{fmt_bytes(bound['dense_per_direction'])} + rows "
             f"{fmt_bytes(bound['sparse_per_direction'])} each way"
             + (f" ({tables})" if tables else "")
-            + f", so {fmt_bytes(bound['sent_plus_received'])} sent + received.")
+            + f", so {fmt_bytes(bound['sent_plus_received'])} sent + received"
+            + (f"; with rows in {bound['compressed']['rows_dtype']} (hybrid-bf16): rows "
+               f"{fmt_bytes(bound['compressed']['sparse_per_direction'])} each way, "
+               f"{fmt_bytes(bound['compressed']['sent_plus_received'])} sent + received."
+               if bound.get("compressed") else "."))
 
 
 def per_task_table(run):

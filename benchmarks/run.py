@@ -192,7 +192,7 @@ def cluster_tasks(contender, workers, ps):
         return [Task("chief", "chief", 0)]
     tasks = [] if contender == "mwms" else [Task("chief", "chief", 0)]
     tasks += [Task(f"worker{i}", "worker", i) for i in range(workers)]
-    if contender in ("hybrid", "ps", "pss"):
+    if contender in ("hybrid", "hybrid-bf16", "ps", "pss"):
         tasks += [Task(f"ps{i}", "ps", i) for i in range(ps)]
     return tasks
 
@@ -493,6 +493,9 @@ def summarize(result, bound):
         if bound and bound.get("sent_plus_received"):
             summary["vs_lower_bound"] = (summary["worker_bytes_per_step_mean"]
                                          / bound["sent_plus_received"])
+        compressed = (bound or {}).get("compressed", {}).get("sent_plus_received")
+        if compressed and contenders_lib.HYBRID_OPTIONS.get(result["contender"]):
+            summary["vs_compressed_bound"] = summary["worker_bytes_per_step_mean"] / compressed
     for job in ("chief", "ps"):
         values = [e[f"{source}_sent_per_step"] + e[f"{source}_received_per_step"]
                   for e in per_task.values() if e["job"] == job

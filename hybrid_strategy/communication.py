@@ -1,12 +1,14 @@
 """Gradient aggregation for PS tables: per-worker local sums, then one sum per shard on its PS.
 
 Gradients of mirrored variables take TensorFlow's collective all-reduce (see the
-strategy, and `dense_options` for its implementation); this module holds the parameter-server side: summing a PS table's
-gradients (`tf.IndexedSlices` the Parallax way, or dense ones) where it lives. Each worker first merges its replicas' slices (duplicate rows summed
-once) and splits them by shard, so only its distinct rows cross the network, each
-to the PS that holds it; that PS then sums the workers' parts, again merging
-duplicate rows, so the optimizer sees each row once, exactly as a dense gradient
-would give it.
+strategy, and `dense_options` for its implementation); this module holds the
+parameter-server side: summing a PS table's gradients (`tf.IndexedSlices` the Parallax
+way, or dense ones) where it lives. Each worker first merges its replicas' slices
+(duplicate rows summed once) and splits them by shard, so only its distinct rows cross
+the network, each to the PS that holds it, all its rows for one PS task (of every
+table) in one tensor of ids and one of values (wire.py); that PS then sums the
+workers' parts, again merging duplicate rows, so the optimizer sees each row once,
+exactly as a dense gradient would give it.
 
 ```python
 import tensorflow as tf
@@ -23,6 +25,7 @@ import collections
 import tensorflow as tf
 
 from hybrid_strategy import table as table_lib
+from hybrid_strategy import wire
 
 
 def merge_duplicates(slices):
@@ -75,29 +78,72 @@ def _by_host(replica_values, replica_devices):
     return by_host.items()
 
 
-def sum_sparse(replica_slices, replica_devices, table):
-    """Sums per-replica `IndexedSlices` of `table` into one sum per shard, on its PS.
+def sum_sparse(gradients, replica_devices):
+    """Sums per-replica `IndexedSlices` of PS tables into one sum per shard, on its PS.
 
-    Each worker merges its replicas' rows first and splits them by shard; each
-    shard's PS then sums the workers' parts. Returns one `IndexedSlices` per
-    shard, with row ids local to the shard.
+    Each worker merges its replicas' rows of a table first and splits them by shard;
+    all its parts bound for one PS task, of every table, cross as one tensor of
+    row ids and one of values (`transfer`), in the table's `wire_dtype`; each
+    shard's PS then sums the workers' parts in the table's dtype. Returns, per
+    table, one `IndexedSlices` per shard, with row ids local to the shard.
 
     Args:
-        replica_slices: One table-wide `IndexedSlices` per replica.
+        gradients: `(replica_slices, table)` pairs: one table-wide `IndexedSlices`
+            per replica, and the `ShardedTable` they belong to.
         replica_devices: The device each replica runs on (same order).
-        table: The `ShardedTable` the gradients belong to.
     """
-    parts_by_shard = [[] for _ in table.shards]
-    for host, host_slices in _by_host(replica_slices, replica_devices):
-        with tf.device(host), tf.name_scope("local_aggregation"):
-            merged = merge_duplicates(concat_slices(host_slices))
-            for k, part in enumerate(table_lib.split_slices(merged, table.num_shards)):
-                parts_by_shard[k].append(part)
+    # (worker host, ps device) -> [((table number, shard), rows bound there)]
+    outgoing = collections.OrderedDict()
+    for t, (replica_slices, table) in enumerate(gradients):
+        for host, host_slices in _by_host(replica_slices, replica_devices):
+            with tf.device(host), tf.name_scope("local_aggregation"):
+                merged = _merged(host_slices)
+                for k, part in enumerate(table_lib.split_slices(merged, table.num_shards)):
+                    outgoing.setdefault((host, table.shards[k].device), []).append(
+                        ((t, k), (part, table.wire_dtype)))
+    arrived = collections.defaultdict(list)
+    for (host, destination), parts in outgoing.items():
+        keys = [key for key, _ in parts]
+        for key, part in zip(keys, transfer([part for _, part in parts], host, destination)):
+            arrived[key].append(part)
     sums = []
-    for shard, parts in zip(table.shards, parts_by_shard):
-        with tf.device(shard.device), tf.name_scope("ps_aggregation"):
-            sums.append(merge_duplicates(concat_slices(parts)))
+    for t, (_, table) in enumerate(gradients):
+        sums.append([])
+        for k, shard in enumerate(table.shards):
+            with tf.device(shard.device), tf.name_scope("ps_aggregation"):
+                sums[-1].append(merge_duplicates(concat_slices(arrived[(t, k)])))
     return sums
+
+
+def _merged(host_slices):
+    """One worker's replicas' rows of a table, each row once."""
+    if len(host_slices) == 1 and table_lib.distinct_rows(host_slices[0].indices):
+        return host_slices[0]  # one replica's single lookup: its rows are distinct
+    return merge_duplicates(concat_slices(host_slices))
+
+
+def transfer(parts, source, destination):
+    """`parts` (`(IndexedSlices, wire dtype)` pairs) as they arrive on `destination`,
+    sent from `source`: parts alike in dtypes cross as one tensor of row ids and one
+    of values (wire.py), in their wire dtype (None: their own), whatever the
+    dtypes of their ids."""
+    arrived = [None] * len(parts)
+    for (dtype, wire_dtype), members in wire.alike(
+            (part.values.dtype, wire_dtype) for part, wire_dtype in parts):
+        group = [parts[i][0] for i in members]
+        if len(group) == 1 and wire_dtype is None:
+            arrived[members[0]] = group[0]  # TensorFlow sends it as it is
+            continue
+        with tf.device(source), tf.name_scope("local_aggregation"):
+            ids, _ = wire.pack_ids([part.indices for part in group])
+            values = wire.pack_values([part.values for part in group], wire_dtype)
+        with tf.device(destination), tf.name_scope("ps_aggregation"):
+            indices, counts = wire.unpack_ids(ids, [part.indices.dtype for part in group])
+            rows = wire.unpack_values(values, counts,
+                                      [part.values.shape[1:] for part in group], dtype)
+            for i, index, row in zip(members, indices, rows):
+                arrived[i] = tf.IndexedSlices(row, index)
+    return arrived
 
 
 def sum_dense(replica_values, replica_devices, table):

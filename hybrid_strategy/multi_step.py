@@ -9,8 +9,8 @@ or tasks, `install()` makes Keras trace the N steps one after the other in one f
 
     outputs = step(iterator.get_next())                  # no data at all: OutOfRange
     for the N - 1 other steps:
-        batch = iterator.get_next_as_optional()          # Keras 3
-        outputs = tf.cond(batch.has_value(), step(batch), outputs)
+        has_value, batch = end_of_data.next_if_any(iterator)     # Keras 3
+        outputs = tf.cond(has_value, step(batch()), outputs)
         # tf_keras: tf.cond(i < steps_per_execution variable, step(next(iterator)), outputs)
 
 A conditional outside a loop runs across devices, with the step traced inline (not as
@@ -29,7 +29,8 @@ Keras 3 steps also cost this process less per worker, N = 1 included:
   where Keras would fetch every replica's value of every log and average them;
 - the steps are traced under the first replica's device, so what neither Keras nor the
   strategy places (the input pipeline's end-of-data checks, the conditionals between
-  steps and the batches they pass on) runs there, not on this process.
+  steps) runs there, not on this process; each worker's batches stay on that worker
+  (end_of_data.py).
 """
 
 import math
@@ -37,6 +38,7 @@ import math
 import tensorflow as tf
 
 from hybrid_strategy import batches
+from hybrid_strategy import end_of_data
 
 _installed = False
 
@@ -220,8 +222,10 @@ def _keras3_function(model, step_function, trainer_lib):
     one_step_on_data = model._autoconvert_optionals(one_step_on_data)
 
     def later_step(iterator, _):
-        batch = iterator.get_next_as_optional()
-        return batch.has_value(), lambda: one_step_on_data(batch.get_value())
+        # Each worker's batch picked on that worker (end_of_data.py), not in one
+        # optional on the first worker.
+        has_value, batch = end_of_data.next_if_any(iterator)
+        return has_value, lambda: one_step_on_data(batch())
 
     # With no batch at all, get_next raises OutOfRange, which ends Keras' epoch.
     run_steps = unrolled_steps(

@@ -47,6 +47,7 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
+from hybrid_strategy import batched_lookups
 from hybrid_strategy import batches
 from hybrid_strategy import checkpointing
 from hybrid_strategy import clipping
@@ -54,7 +55,9 @@ from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import creation
 from hybrid_strategy import data_service
+from hybrid_strategy import end_of_data
 from hybrid_strategy import hierarchical_allreduce
+from hybrid_strategy import increments
 from hybrid_strategy import keras_input
 from hybrid_strategy import liveness
 from hybrid_strategy import mirroring
@@ -64,6 +67,7 @@ from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import service_input
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
+from hybrid_strategy import wire
 from hybrid_strategy import worker_input
 
 _LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -133,6 +137,12 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             single-device training with dense gradients). SGD without momentum and
             Adagrad are exact either way; Adafactor and Muon's own update always
             update the whole table (sparse_optimizers.py).
+        wire_dtype: The dtype in which rows of PS tables cross between tasks: None
+            (default: the table's own) or "bfloat16" (half the bytes of float32).
+            Looked-up rows leave the PS and row gradients leave the workers in it,
+            and are cast back on arrival: tables, their sums across workers and
+            their updates stay in the table's dtype on the PS. Training then
+            differs from float32 training by bfloat16's rounding of those rows.
         devices: Single-machine mode only: the local devices to replicate over
             (default: every GPU, else the CPU).
         communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -150,7 +160,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
                  placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
                  table_shards=None,
                  max_mirrored_bytes=placement_lib.DEFAULT_MAX_MIRRORED_BYTES,
-                 sparse_update="lazy", devices=None,
+                 sparse_update="lazy", wire_dtype=None, devices=None,
                  communication_options=None, connect_timeout=60.0, task_timeout=60.0):
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
@@ -163,7 +173,8 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             self, config, architecture=architecture,
             placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
             table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes,
-            sparse_update=sparse_update, devices=devices,
+            sparse_update=sparse_update,
+            wire_dtype=wire_dtype, devices=devices,
             communication_options=communication_options,
             connect_timeout=connect_timeout, task_timeout=task_timeout)
         # MirroredStrategy.__init__ would build its own extended object.
@@ -199,7 +210,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, max_mirrored_bytes,
-                 sparse_update, devices, communication_options, connect_timeout,
+                 sparse_update, wire_dtype, devices, communication_options, connect_timeout,
                  task_timeout):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
@@ -216,6 +227,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             raise ValueError(f"sparse_update={sparse_update!r}; use one of "
                              f"{sparse_optimizers.MODES}.")
         self.sparse_update = sparse_update
+        self.wire_dtype = wire.check_wire_dtype(wire_dtype)
         if config is None:
             worker_devices, ps_devices = _local_devices(devices), [_LOCAL_CPU]
         else:
@@ -361,7 +373,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                     tf.TensorShape(shape)[1:])
             with tf.device(device):
                 shards.append(next_creator(**shard_kwargs))
-        return table_class(shards, path, name=name)
+        return table_class(shards, path, name=name, wire_dtype=self.wire_dtype)
 
     def move_to_ps(self, keras_variable):
         """Moves a mirrored Keras 3 variable that is read by row onto the PS.
@@ -422,9 +434,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         results = [None] * len(value_destination_pairs)
-        collective = []
+        collective, sparse, tables, shard_sums, penalty_of = [], [], {}, {}, {}
         for i, (value, destinations) in enumerate(value_destination_pairs):
-            table = _table_of_gradient(value)
+            tables[i] = table = _table_of_gradient(value)
             if table is None:
                 collective.append(i)
                 continue
@@ -432,10 +444,16 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             self._record_gradient_type(table, isinstance(components[0], tf.IndexedSlices))
             if isinstance(components[0], tf.IndexedSlices):
                 components, penalty = penalties.without_markers(components, table)
-                sums = communication.sum_sparse(components, self._devices, table)
-                sums = penalties.with_gradient(sums, penalty, table)
+                sparse.append((i, (components, table)))
+                penalty_of[i] = penalty
             else:
-                sums = communication.sum_dense(components, self._devices, table)
+                shard_sums[i] = communication.sum_dense(components, self._devices, table)
+        # Every table's rows at once: a worker's parts bound for one PS cross together.
+        sums = communication.sum_sparse([pair for _, pair in sparse], self._devices)
+        shard_sums.update((i, penalties.with_gradient(s, penalty_of[i], tables[i]))
+                          for (i, _), s in zip(sparse, sums))
+        for i, sums in shard_sums.items():
+            table = tables[i]
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 sums = [_scaled(s, 1.0 / self._num_replicas_in_sync) for s in sums]
             total = communication.shard_summed(sums, table)
@@ -609,8 +627,8 @@ class _MovedTable(table_lib.ShardedTable):
     the table keeps the mirrored variable's, so the optimizer still finds its slots.
     """
 
-    def __init__(self, shards, path, name=None, *, replaced_id):
-        super().__init__(shards, path, name=name)
+    def __init__(self, shards, path, name=None, wire_dtype=None, *, replaced_id):
+        super().__init__(shards, path, name=name, wire_dtype=wire_dtype)
         self._replaced_id = replaced_id
 
     @property
@@ -644,8 +662,11 @@ def _install_keras_hooks():
     (table.py), losses weighted by each replica's rows (batches.py), models built
     without reading a batch and arrays sent to each worker as its share
     (keras_input.py), tables in Keras weight files (checkpointing.py), several steps
-    per call without a tf.while_loop (multi_step.py) and whole epochs of datasets
-    read from the tf.data service (service_input.py).
+    per call without a tf.while_loop (multi_step.py), whole epochs of datasets read
+    from the tf.data service (service_input.py), increments of mirrored variables
+    made per copy (increments.py), functional models' tables looked up at once
+    (batched_lookups.py) and the end-of-data check picking each worker's batch on
+    that worker (end_of_data.py).
     """
     import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
 
@@ -660,10 +681,15 @@ def _install_keras_hooks():
     batches.install_keras_hooks()
     service_input.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
     keras_input.install(lambda strategy: isinstance(strategy, HybridStrategy))
+    increments.install(lambda strategy: isinstance(strategy, HybridStrategy))
+    end_of_data.install(_spans_devices)
     legacy = batches.legacy_keras()
     penalties.install_keras_hooks(legacy)
     for keras_module in (keras, legacy) if legacy is not None else (keras,):
         table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)
+    # After the id checks: a table looked up at once returns its rows before them.
+    batched_lookups.install(lambda: _under_hybrid_strategy()
+                            and not tf.distribute.in_cross_replica_context())
 
 
 def _components(value):

@@ -33,6 +33,7 @@ print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the secon
 ```
 """
 
+import collections
 import contextlib
 import functools
 import random
@@ -59,10 +60,13 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
 from hybrid_strategy import row_blocks
+from hybrid_strategy import wire
 from hybrid_strategy.placement import shard_rows
 
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
 _LOOKUPS = weakref.WeakKeyDictionary()
+# graph -> names of lookups' unique ids
+_DISTINCT = weakref.WeakKeyDictionary()
 # graph -> refs of the tables read whole there while a gradient tape recorded
 _WHOLE_READS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
@@ -71,6 +75,8 @@ _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
 _ROW_READ_HANDLERS = []
 # Depth of `tracing_for_export` blocks on this thread.
 _EXPORT_TRACING = threading.local()
+# The tables whose ids the Embedding layers being called on this thread have checked.
+_LAYER_CHECKED = threading.local()
 
 
 @dispatch.register_dispatchable_type
@@ -93,7 +99,7 @@ class ShardedTable(tf.Variable):
 
     _should_act_as_resource_variable = True
 
-    def __init__(self, shards, path, name=None):
+    def __init__(self, shards, path, name=None, wire_dtype=None):
         if not shards:
             raise ValueError(f"table {path} needs at least one shard.")
         self.shards = tuple(shards)
@@ -107,6 +113,7 @@ class ShardedTable(tf.Variable):
         self.num_shards = len(rows)
         self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
         self._saving_variable = None
+        self.wire_dtype = wire.check_wire_dtype(wire_dtype)
         # While an optimizer updates some rows of the table (sparse_optimizers.py): the
         # object standing in for them, which whole reads and writes go to instead.
         self.rows_view = None
@@ -475,29 +482,54 @@ def lookup(table, ids, name=None):
     Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table, ids
     that are not integers a `TypeError`.
     """
+    return lookup_many([(table, ids)], name=name)[0]
+
+
+def lookup_many(requests, name=None, checked=False):
+    """`lookup` of several `(table, ids)` at once: a list of rows, one per request.
+
+    The ids a worker sends each PS task cross as one tensor, and the rows that task
+    sends back as one (wire.py): one exchange per PS task, whatever the number of
+    tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
+    (`checked_ids`) already.
+    """
+    exporting = _tracing_for_export()
     with tf.name_scope(name or "hybrid_lookup"):
-        ids = tf.convert_to_tensor(ids)
-        if not ids.dtype.is_integer:
-            raise TypeError(
-                f"ids looked up in table {table.path} must be integers (int32 or int64), "
-                f"got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-        unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
-        unique_ids = _checked(unique_ids, table)
-        exporting = _tracing_for_export()
-        if not exporting:
-            remember_gradient(unique_ids, table)
+        distinct = []
+        for table, ids in requests:
+            ids = tf.convert_to_tensor(ids)
+            if not ids.dtype.is_integer:
+                raise TypeError(
+                    f"ids looked up in table {table.path} must be integers (int32 or "
+                    f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
+            unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
+            if not (checked or _ids_checked_by_layer(table)):
+                unique_ids = _checked(unique_ids, table)
+            if not exporting:
+                remember_gradient(unique_ids, table, distinct=True)
+            distinct.append((table, ids, unique_ids, positions))
         with record.stop_recording():
-            out = tf.gather(_gather_rows(table, unique_ids, exporting), positions)
-        if not exporting:  # a served function computes no gradient
-            num_unique = tf.shape(unique_ids)[0]
-            dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
+            rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
+                                exporting)
+            outputs = [tf.gather(r, positions) for r, (_, _, _, positions) in zip(rows, distinct)]
+        results = []
+        for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
+            if not exporting:  # a served function computes no gradient
+                record_gradient(table, out, _row_gradients(table, unique_ids, positions))
+            results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
+        return results
 
-            def row_gradients(dy):
-                summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
-                return tf.IndexedSlices(summed, unique_ids, dense_shape)
 
-            record_gradient(table, out, row_gradients)
-        return tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0))
+def _row_gradients(table, unique_ids, positions):
+    """The gradient of a lookup: the rows' gradients summed per distinct id."""
+    num_unique = tf.shape(unique_ids)[0]
+    dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
+
+    def row_gradients(dy):
+        summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
+        return tf.IndexedSlices(summed, unique_ids, dense_shape)
+
+    return row_gradients
 
 
 def record_gradient(table, output, gradient):
@@ -515,6 +547,21 @@ def record_gradient(table, output, gradient):
                             lambda dy: [gradient(dy)])
 
 
+@contextlib.contextmanager
+def _ids_checked_for(table):
+    """Lookups of `table` in this block skip the id check: the layer has done it."""
+    outer = getattr(_LAYER_CHECKED, "tables", ())
+    _LAYER_CHECKED.tables = outer + (table,)
+    try:
+        yield
+    finally:
+        _LAYER_CHECKED.tables = outer
+
+
+def _ids_checked_by_layer(table):
+    return any(checked is table for checked in getattr(_LAYER_CHECKED, "tables", ()))
+
+
 def _checked(unique_ids, table):
     return checked_ids(unique_ids, table.shape[0], f"table {table.path}")
 
@@ -529,41 +576,81 @@ def checked_ids(ids, num_rows, what):
     if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
         return ids.with_values(checked_ids(ids.values, num_rows, what))
     ids = tf.convert_to_tensor(ids)
+    if not (ids.dtype.is_integer or ids.dtype.is_floating):
+        raise TypeError(f"embedding ids for {what} must be integers (int32 or int64), "
+                        f"got {ids.dtype.name}.")
     message = (f"embedding id out of range for {what} ({num_rows} rows): ids must be "
                f"in [0, {num_rows})")
-    checks = [tf.debugging.assert_non_negative(ids, message=message),
-              tf.debugging.assert_less(ids, tf.cast(num_rows, ids.dtype), message=message)]
+    # One assertion for both bounds: each is a stateful op, which tf.function orders
+    # after every other one traced before it, the other replicas' included.
+    in_range = tf.logical_and(ids >= 0, ids < tf.cast(num_rows, ids.dtype))
+    checks = [tf.debugging.Assert(tf.reduce_all(in_range), [message, "ids:", ids])]
     if ids.dtype.is_floating:
         checks.append(tf.debugging.assert_equal(
             ids, tf.floor(ids),
             message=f"embedding ids for {what} must be whole numbers, got {ids.dtype.name} "
                     "ids with a fractional part: pass integer ids (int32 or int64)"))
-    elif not ids.dtype.is_integer:
-        raise TypeError(f"embedding ids for {what} must be integers (int32 or int64), "
-                        f"got {ids.dtype.name}.")
     with tf.control_dependencies(checks):
         return tf.identity(ids)
 
 
-def _gather_rows(table, unique_ids, exporting=False):
-    """Rows for distinct ids: each shard gathers its own on its PS, in parallel."""
+def _gather_rows(requests, exporting=False):
+    """Rows for distinct ids of each `(table, unique ids)`: each shard gathers its own on
+    its PS, every PS task in parallel, with one exchange per task (`_fetch`)."""
     if exporting:
-        return gen_resource_variable_ops.resource_gather(
-            table.saving_variable.handle, unique_ids, dtype=table.dtype)
-    if len(table.shards) == 1:
-        with tf.device(table.device):
-            return gen_resource_variable_ops.resource_gather(
-                table.handle, unique_ids, dtype=table.dtype)
-    num_shards = table.num_shards
-    shard, local = shard_of(unique_ids, num_shards)
-    local_ids = tf.dynamic_partition(local, shard, num_shards)
-    positions = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard, num_shards)
-    parts = []
-    for s, ids in zip(table.shards, local_ids):
-        with tf.device(s.device):
-            parts.append(gen_resource_variable_ops.resource_gather(s.handle, ids,
-                                                                   dtype=table.dtype))
-    return tf.dynamic_stitch(positions, parts)
+        return [gen_resource_variable_ops.resource_gather(
+                    table.saving_variable.handle, unique_ids, dtype=table.dtype)
+                for table, unique_ids in requests]
+    wanted = collections.OrderedDict()  # PS device -> [((request, shard), local ids)]
+    positions = []
+    for i, (table, unique_ids) in enumerate(requests):
+        if table.num_shards == 1:
+            local_ids, positions_i = [unique_ids], None
+        else:
+            shard, local = shard_of(unique_ids, table.num_shards)
+            local_ids = tf.dynamic_partition(local, shard, table.num_shards)
+            positions_i = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard,
+                                               table.num_shards)
+        positions.append(positions_i)
+        for k, ids in enumerate(local_ids):
+            wanted.setdefault(table.shards[k].device, []).append(((i, k), ids))
+    fetched = {}
+    for device, parts in wanted.items():
+        rows = _fetch(device, [(requests[i][0], k, ids) for (i, k), ids in parts])
+        fetched.update(zip((key for key, _ in parts), rows))
+    rows = []
+    for i, ((table, _), positions_i) in enumerate(zip(requests, positions)):
+        parts = [fetched[(i, k)] for k in range(table.num_shards)]
+        rows.append(parts[0] if positions_i is None else tf.dynamic_stitch(positions_i, parts))
+    return rows
+
+
+def _fetch(device, parts):
+    """Gathers the rows of `(table, shard number, local ids)` parts on `device`, their
+    PS task; parts whose rows are alike in dtypes cross both ways as one tensor
+    (wire.py), rows in the table's `wire_dtype`."""
+    rows = [None] * len(parts)
+    for (dtype, wire_dtype), members in wire.alike(
+            (table.dtype, table.wire_dtype) for table, _, _ in parts):
+        group = [parts[j] for j in members]
+        if len(group) == 1 and wire_dtype is None:
+            table, k, ids = group[0]
+            with tf.device(device):
+                rows[members[0]] = gen_resource_variable_ops.resource_gather(
+                    table.shards[k].handle, ids, dtype=dtype)
+            continue
+        packed_ids, counts = wire.pack_ids([ids for _, _, ids in group])
+        with tf.device(device):
+            local_ids, _ = wire.unpack_ids(packed_ids, [ids.dtype for _, _, ids in group])
+            packed_rows = wire.pack_values(
+                [gen_resource_variable_ops.resource_gather(table.shards[k].handle, ids,
+                                                           dtype=dtype)
+                 for (table, k, _), ids in zip(group, local_ids)], wire_dtype)
+        unpacked = wire.unpack_values(packed_rows, counts,
+                                      [table.shape[1:] for table, _, _ in group], dtype)
+        for j, part in zip(members, unpacked):
+            rows[j] = part
+    return rows
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedTable})
@@ -582,11 +669,22 @@ def _table_shape(input, out_type=None, name=None):  # pylint: disable=redefined-
     return tf.constant(input.shape.as_list(), dtype=out_type or tf.int32, name=name)
 
 
-def remember_gradient(tensor, table):
-    """Notes that `tensor` (a lookup's unique ids, a read's gradient) is `table`'s."""
+def remember_gradient(tensor, table, distinct=False):
+    """Notes that `tensor` (a lookup's unique ids, a read's gradient) is `table`'s, and
+    whether its ids are `distinct` (see `distinct_rows`)."""
     if not tf.executing_eagerly():
         _LOOKUPS.setdefault(tensor.graph, {})[tensor.name] = table
+        if distinct:
+            _DISTINCT.setdefault(tensor.graph, set()).add(tensor.name)
     return tensor
+
+
+def distinct_rows(indices):
+    """Whether `indices` are one lookup's unique ids (the gradient of a single lookup),
+    so that no row repeats; False when that is not known."""
+    if tf.executing_eagerly() or not hasattr(indices, "graph"):
+        return False
+    return indices.name in _DISTINCT.get(indices.graph, ())
 
 
 def table_of_gradient(tensor, depth=6):
@@ -695,6 +793,7 @@ def on_row_read(handler):
     if handler not in _ROW_READ_HANDLERS:
         _ROW_READ_HANDLERS.append(handler)
 
+
 def check_embedding_ids(embedding_class, applies):
     """Makes `embedding_class` check its ids while `applies()` (under HybridStrategy).
 
@@ -711,12 +810,19 @@ def check_embedding_ids(embedding_class, applies):
     # Embedding.call's own, (self, inputs), in Keras 3 and tf_keras.
     @functools.wraps(call)
     def call_checking_ids(self, inputs):
-        if applies():
-            inputs = checked_ids(inputs, self.input_dim, f"table {_path_of(self.embeddings)}")
-        return call(self, inputs)
+        if not applies():
+            return call(self, inputs)
+        inputs = checked_layer_ids(self, inputs)
+        with _ids_checked_for(getattr(self.embeddings, "_value", self.embeddings)):
+            return call(self, inputs)
 
     call_checking_ids._checks_ids = True
     embedding_class.call = call_checking_ids
+
+
+def checked_layer_ids(layer, ids):
+    """`checked_ids` of an Embedding layer's ids, naming its table."""
+    return checked_ids(ids, layer.input_dim, f"table {_path_of(layer.embeddings)}")
 
 
 def _path_of(weight):

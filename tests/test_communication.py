@@ -24,7 +24,7 @@ def shard_sums(prefixes_per_replica):
             with tf.GradientTape() as tape:
                 loss = tf.add_n([tf.reduce_sum(tf.gather(table, ids[:n])) for n in prefixes])
             grads.append(tape.gradient(loss, [table])[0])
-        sums = communication.sum_sparse(grads, [CPU] * len(grads), table)
+        sums = communication.sum_sparse([(grads, table)], [CPU] * len(grads))[0]
         return [(s.indices, s.values) for s in sums]
 
     result = {}

@@ -1,0 +1,118 @@
+"""Fewer tensors between tasks per step, and bfloat16 rows on the wire, on a real cluster.
+
+`tests/wire_scenario.py` runs once as the chief of a 2-worker + 2-ps cluster (a module
+fixture); the tests read its report. The rest runs in this process.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hybrid_strategy import wire
+from runs import json_report, on_cluster
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIO = os.path.join(HERE, "wire_scenario.py")
+TOLERANCE = 1e-5
+# bfloat16 keeps 8 significant bits: each row rounds by at most 2**-9 of its size
+# on its way, once looked up and once as a gradient. One step's update of every
+# weight stays within this of the float32 step's (relative to its largest entry).
+BFLOAT16_STEP_TOLERANCE = 0.01
+
+
+@pytest.fixture(scope="module")
+def report():
+    return json_report(on_cluster(SCENARIO, workers=2, ps=2), "the wire scenario")
+
+
+def test_training_with_tables_looked_up_at_once_equals_single_device(report):
+    errors = report["exact"]["relative_errors"]
+    assert len(errors) == 8, errors
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+
+
+def test_each_ps_task_sends_a_worker_one_tensor_of_rows_per_step(report):
+    # Four tables, two of them split over both ps tasks: 6 shards, 7 lookups.
+    transfers = report["exact"]["transfers"]["transfers"]
+    for ps in ("ps0", "ps1"):
+        for worker in ("worker0", "worker1"):
+            assert transfers[f"{ps}->{worker}"] == 1, transfers
+        # The looked-up ids, the rows' gradients and their ids (worker 0 also
+        # sends the optimizer's learning rate, read where the first replica is).
+        assert transfers["worker1->" + ps] <= 3, transfers
+
+
+def test_no_batch_or_step_counter_crosses_between_workers(report):
+    names = report["exact"]["transfers"]["names"]
+    between_workers = names.get("worker0->worker1", []) + names.get("worker1->worker0", [])
+    crossing = [name for name in between_workers
+                if any(part in name for part in ("IteratorGetNext", "cond/output",
+                                                 "OptionalGetValue", "AssignVariableOp",
+                                                 "group_deps"))]
+    assert not crossing, between_workers
+
+
+def test_the_step_counter_has_every_step_in_every_copy(report):
+    assert report["exact"]["iterations"] == 6
+    assert report["exact"]["iteration_copies"] == [6, 6]
+
+
+def test_several_steps_per_call_end_each_epoch_and_keep_batches_on_their_worker(report):
+    # Two epochs of 7 batches, 3 steps per call: calls of 3, 3 and 1 steps each.
+    case = report["multi_step"]
+    assert case["calls"] == 6
+    assert case["iterations"] == 14
+    assert case["iteration_copies"] == [14, 14]
+    errors = case["relative_errors"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+    names = case["transfers"]["names"]
+    between_workers = names.get("worker0->worker1", []) + names.get("worker1->worker0", [])
+    crossing = [name for name in between_workers
+                if any(part in name for part in ("IteratorGetNext", "Optional", "cond/output"))]
+    assert not crossing, between_workers
+
+
+def test_a_bfloat16_step_is_the_float32_step_within_bfloat16_rounding(report):
+    errors = report["bfloat16"]["update_errors"]
+    assert len(errors) == 8, errors
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= BFLOAT16_STEP_TOLERANCE, f"{worst}: {errors[worst]:.2e}"
+    # The rows did cross in bfloat16: the tables' updates are not float32's.
+    assert max(v for k, v in errors.items() if k.endswith("/embeddings")) > 1e-5
+
+
+def test_training_with_bfloat16_rows_converges_as_float32_does(report):
+    float32, bfloat16 = report["convergence"]["None"], report["convergence"]["bfloat16"]
+    assert len(float32) == len(bfloat16) == 40
+    assert np.mean(bfloat16[-5:]) < 0.5 * bfloat16[0]
+    assert abs(np.mean(bfloat16[-5:]) - np.mean(float32[-5:])) < 0.02 * np.mean(float32[-5:])
+
+
+def test_packed_ids_and_values_come_back_as_they_were_sent():
+    ids = [tf.constant([4, 1]), tf.constant([], tf.int32), tf.constant([7, 7, 0], tf.int64)]
+    values = [tf.reshape(tf.range(6.0), (2, 3)), tf.zeros((0, 1)),
+              tf.reshape(tf.range(6.0) / 7, (3, 2))]
+    packed, counts = wire.pack_ids(ids)
+    assert packed.dtype == tf.int64  # int32 and int64 ids cross together
+    assert packed.numpy().tolist() == [2, 0, 3, 4, 1, 7, 7, 0]
+    unpacked, _ = wire.unpack_ids(packed, [i.dtype for i in ids])
+    assert [i.dtype for i in unpacked] == [tf.int32, tf.int32, tf.int64]
+    assert [i.numpy().tolist() for i in unpacked] == [[4, 1], [], [7, 7, 0]]
+    rows = wire.unpack_values(wire.pack_values(values), counts, [(3,), (1,), (2,)], tf.float32)
+    for row, value in zip(rows, values):
+        np.testing.assert_array_equal(row.numpy(), value.numpy())
+    rounded = wire.unpack_values(wire.pack_values(values, tf.bfloat16), counts,
+                                 [(3,), (1,), (2,)], tf.float32)
+    assert rounded[2].dtype == tf.float32
+    np.testing.assert_allclose(rounded[2].numpy(), values[2].numpy(), rtol=2 ** -8)
+    assert not np.array_equal(rounded[2].numpy(), values[2].numpy())
+
+
+def test_a_wire_dtype_other_than_bfloat16_is_refused_with_what_to_use():
+    import hybrid_strategy
+    with pytest.raises(ValueError, match=r"wire_dtype='float16'.*\('bfloat16',\)"):
+        hybrid_strategy.HybridStrategy(wire_dtype="float16")

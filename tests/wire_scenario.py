@@ -1,0 +1,164 @@
+"""What crosses between tasks in a step, and bfloat16 rows on the wire, on a real cluster.
+
+Run as the chief of a 2-worker + 2-ps cluster (tests/test_wire.py), it prints a JSON
+report of three cases, all on a click-through model whose Embedding layers read the
+model's inputs: a user table and an item table split over both ps tasks, the item
+layer used on two inputs, a masked sequence feature, float ids.
+
+- "exact": HybridStrategy training against single-device training with dense
+  gradients (relative errors per weight), and the tensors one training step sends
+  between tasks (benchmarks/step_transfers.py), with `optimizer.iterations` and each
+  of its copies after training.
+- "bfloat16": one SGD step with `wire_dtype="bfloat16"` against the same step in
+  float32 (relative error of each weight's update).
+- "convergence": the training loss of 40 Adagrad steps, in float32 and in bfloat16.
+- "multi_step": two epochs of 7 batches with `steps_per_execution=3` (calls of 3, 3
+  and 1 steps) against single-device training, and the tensors its calls send.
+
+    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/wire_scenario.py
+"""
+
+import json
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hybrid_strategy
+from benchmarks import step_transfers
+
+USERS, ITEMS, TAGS, BUCKETS, TAGS_PER_EXAMPLE = 300, 200, 50, 10, 3
+GLOBAL_BATCH = 32
+MIN_SHARD_BYTES = 1024  # splits the user and item tables over both ps tasks
+
+
+def make_data(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    n = steps * GLOBAL_BATCH
+
+    def skewed(size, shape=(n,)):
+        return np.minimum(rng.zipf(1.3, size=shape) - 1, size - 1).astype("int32")
+
+    x = {"user": skewed(USERS), "item": skewed(ITEMS), "seen": skewed(ITEMS),
+         # 0 is padding (masked), but for the first tag: a mean over no tag is NaN.
+         "tags": np.maximum(skewed(TAGS, (n, TAGS_PER_EXAMPLE)), [1, 0, 0]).astype("int32"),
+         "bucket": skewed(BUCKETS).astype("float32"),
+         "dense": rng.normal(size=(n, 2)).astype("float32")}
+    y = np.sin(x["user"] / 30.0) + np.cos(x["item"] / 20.0) + 0.5 * x["dense"][:, 0]
+    return x, y[:, None].astype("float32")
+
+
+def build_model():
+    inputs = {name: keras.Input((), dtype="int32", name=name)
+              for name in ("user", "item", "seen")}
+    inputs["tags"] = keras.Input((TAGS_PER_EXAMPLE,), dtype="int32", name="tags")
+    inputs["bucket"] = keras.Input((), dtype="float32", name="bucket")
+    inputs["dense"] = keras.Input((2,), name="dense")
+    items = keras.layers.Embedding(ITEMS, 4, name="item_embedding")
+    tags = keras.layers.Embedding(TAGS, 4, mask_zero=True, name="tag_embedding")
+    parts = [keras.layers.Embedding(USERS, 8, name="user_embedding")(inputs["user"]),
+             items(inputs["item"]), items(inputs["seen"]),
+             keras.layers.GlobalAveragePooling1D()(tags(inputs["tags"])),
+             keras.layers.Embedding(BUCKETS, 2, name="bucket_embedding")(inputs["bucket"]),
+             inputs["dense"]]
+    x = keras.layers.Concatenate()(parts)
+    x = keras.layers.Dense(16, activation="relu", name="hidden")(x)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(x))
+
+
+def initial_weights():
+    keras.utils.set_random_seed(1)
+    return build_model().get_weights()
+
+
+def dataset(x, y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
+def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1,
+            **strategy_options):
+    """(model, training losses) after `epochs` on (x, y) under HybridStrategy."""
+    strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
+                                              **strategy_options)
+    with strategy.scope():
+        model = build_model()
+        model.set_weights(weights)
+        model.compile(optimizer=make_optimizer(), loss="mse",
+                      steps_per_execution=steps_per_execution)
+    losses = []
+    model.fit(dataset(x, y), epochs=epochs, verbose=0, shuffle=False, callbacks=[
+        keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: losses.append(float(logs["loss"])))])
+    return model, losses
+
+
+def single_device(weights, optimizer, x, y, epochs=1):
+    """Training on one device with dense gradients (each row once per step)."""
+    model = build_model()
+    model.set_weights(weights)
+    variables = model.trainable_variables
+    for start in list(range(0, len(y), GLOBAL_BATCH)) * epochs:
+        batch = {k: v[start:start + GLOBAL_BATCH] for k, v in x.items()}
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(batch) - y[start:start + GLOBAL_BATCH]))
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients([(tf.convert_to_tensor(g), v)
+                                   for g, v in zip(grads, variables)])
+    return model
+
+
+def relative_errors(model, actual, expected):
+    return {w.path: float(np.max(np.abs(a - e)) / max(float(np.max(np.abs(e))), 0.01))
+            for w, a, e in zip(model.weights, actual, expected)}
+
+
+def exact_case(steps=6, epochs=1, steps_per_execution=1):
+    x, y = make_data(steps)
+    weights = initial_weights()
+    reference = single_device(weights, keras.optimizers.Adagrad(0.1), x, y, epochs)
+    with step_transfers.RunMetadata() as metadata:
+        model, losses = trained(weights, lambda: keras.optimizers.Adagrad(0.1), x, y,
+                                epochs, steps_per_execution)
+    iterations = model.optimizer.iterations
+    return {
+        "relative_errors": relative_errors(model, model.get_weights(),
+                                           reference.get_weights()),
+        "transfers": step_transfers.count_transfers(metadata.result, names=True),
+        "iterations": int(iterations.numpy()),
+        "iteration_copies": [int(v.numpy()) for v in iterations.value.values],
+        "calls": len(losses),
+    }
+
+
+def bfloat16_case():
+    x, y = make_data(1, seed=2)
+    weights = initial_weights()
+    updates = {}
+    for wire_dtype in (None, "bfloat16"):
+        model, _ = trained(weights, lambda: keras.optimizers.SGD(0.5), x, y,
+                           wire_dtype=wire_dtype)
+        updates[wire_dtype] = [a - w for a, w in zip(model.get_weights(), weights)]
+    return {"update_errors": relative_errors(model, updates["bfloat16"], updates[None])}
+
+
+def convergence_case():
+    x, y = make_data(40, seed=3)
+    weights = initial_weights()
+    return {str(wire_dtype): trained(weights, lambda: keras.optimizers.Adagrad(0.1), x, y,
+                                     wire_dtype=wire_dtype)[1]
+            for wire_dtype in (None, "bfloat16")}
+
+
+def main():
+    # The strategy connects this process to the cluster: before any variable.
+    hybrid_strategy.HybridStrategy()
+    report = {"exact": exact_case(), "bfloat16": bfloat16_case(),
+              "convergence": convergence_case(),
+              "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3)}
+    json.dump(report, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
