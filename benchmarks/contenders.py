@@ -10,6 +10,10 @@ markers and this process's task name. Contenders:
   hybrid     Keras 3, `HybridStrategy(architecture="hybrid")`, this process the chief
   allreduce  of a cluster whose workers and ps run `python -m hybrid_strategy.server`.
   ps
+  ps-async   Keras 3, `HybridStrategy(architecture="ps", asynchronous=True)`: each step on
+             one worker with the whole global batch, workers not waiting for each other.
+  NAME:key=value:...  a HybridStrategy contender with more options, e.g.
+             `hybrid:sparse_update='exact'` (values are Python literals).
   mwms       tf_keras (TF_USE_LEGACY_KERAS=1), `tf.distribute.MultiWorkerMirroredStrategy`:
              one such process per worker, TF_CONFIG with worker tasks only; worker 0
              writes the results. Keras 3 `model.fit` fails with MWMS on TF 2.21.
@@ -28,11 +32,12 @@ callback. For the synchronous contenders the callback receives every call's logs
 numbers (so its steps have finished), one epoch runs warm-up + measured steps, and the
 measured window starts at `on_train_batch_begin` of the first measured step and ends at
 `on_train_batch_end` of the last; with N steps per call, a call's time counts as N steps
-of a Nth of it each. ParameterServerStrategy schedules steps asynchronously (each step runs on one
-worker with the whole global batch); its callback takes no per-step logs, `fit` runs two
-epochs of `steps` steps (the first is the warm-up) and the window is the second epoch,
-which ends once every scheduled step has finished (`coordinator.join()`), so only its
-mean step time is known.
+of a Nth of it each. The asynchronous contenders (ParameterServerStrategy and ps-async)
+run each step on one worker with the whole global batch, and a call returns before its
+step has finished; `fit` runs two epochs of `steps` steps (the first is the warm-up) and
+the window is the second epoch, which ends once every step has finished
+(`coordinator.join()`, or the end of a ps-async epoch), so only their mean step time is
+known (pss' callback takes no per-step logs at all).
 
 With "profile" in the spec, the trainer that writes the results traces every task of
 its cluster (or itself, for `single`) with the TensorFlow profiler from the start of the
@@ -44,6 +49,7 @@ harness writes after it has read the network counters: nothing runs between the
 counters and the clock.
 """
 
+import ast
 import dataclasses
 import importlib
 import json
@@ -55,9 +61,14 @@ import threading
 import time
 import types
 
-CONTENDERS = ("hybrid", "allreduce", "ps", "mwms", "pss", "single")
-HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "allreduce": "allreduce", "ps": "ps"}
+CONTENDERS = ("hybrid", "allreduce", "ps", "ps-async", "mwms", "pss", "single")
+HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "allreduce": "allreduce", "ps": "ps",
+                        "ps-async": "ps"}
+# HybridStrategy options beyond the architecture, by contender.
+HYBRID_OPTIONS = {"ps-async": {"asynchronous": True}}
 LEGACY_KERAS = ("mwms", "pss")  # contenders that run under tf_keras
+ASYNCHRONOUS = ("ps-async", "pss")  # each step runs on one worker, none waits for the others
+WITH_PS = ("hybrid", "ps", "ps-async", "pss")  # contenders whose cluster has ps tasks
 _HANDSHAKE_TIMEOUT = 300.0  # seconds a process waits for the harness at a boundary
 
 
@@ -80,6 +91,34 @@ MODELS = {
     "cnn": ModelSpec("keras_examples.cnn", "examples", 256),
     "text": ModelSpec("keras_examples.text_classifier", "examples", 256),
 }
+
+
+def base_of(contender):
+    """The registered contender a "NAME:key=value:..." contender adds options to."""
+    return contender.split(":", 1)[0]
+
+
+def hybrid_options(contender):
+    """The HybridStrategy keyword arguments of a HybridStrategy contender.
+
+    ```python
+    hybrid_options("ps-async")                          # architecture "ps", asynchronous
+    hybrid_options("hybrid:sparse_update='exact'")      # architecture "hybrid", exact
+    ```
+    """
+    name, *extra = contender.split(":")
+    if name not in HYBRID_ARCHITECTURES:
+        raise ValueError(f"contender {contender!r}: options follow one of "
+                         f"{', '.join(HYBRID_ARCHITECTURES)}")
+    options = {"architecture": HYBRID_ARCHITECTURES[name], **HYBRID_OPTIONS.get(name, {})}
+    for item in extra:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"contender {contender!r}: {item!r} is not key=<Python "
+                             "literal>, e.g. sparse_update='exact'") from None
+    return options
 
 
 def model_available(name):
@@ -145,9 +184,9 @@ def _adapt_for_tf_keras(module):
 
 def make_strategy(contender, num_ps):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if contender in HYBRID_ARCHITECTURES:
+    if base_of(contender) in HYBRID_ARCHITECTURES:
         import hybrid_strategy  # pylint: disable=import-outside-toplevel
-        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender])
+        return hybrid_strategy.HybridStrategy(**hybrid_options(contender))
     if contender == "mwms":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if contender == "pss":
@@ -345,7 +384,7 @@ def run(spec):
     if legacy:
         _adapt_for_tf_keras(module)
     batch = spec["global_batch"]
-    asynchronous = contender == "pss"
+    asynchronous = base_of(contender) in ASYNCHRONOUS
     warmup_steps = spec["steps"] if asynchronous else spec["warmup"]
     total = warmup_steps + spec["steps"]
     data_kwargs = dict(model_spec.data)
@@ -379,11 +418,13 @@ def run(spec):
     timer = make_timer(keras, spec, asynchronous, profiler)
     fit_kwargs = dict(verbose=0, callbacks=[timer], shuffle=False)
     setup_seconds = time.perf_counter() - started
-    if asynchronous:
+    if contender == "pss":
         def dataset_fn(context):
             return dataset(context.num_input_pipelines, context.input_pipeline_id)
         train = keras.utils.experimental.DatasetCreator(dataset_fn)
         model.fit(train, epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
+    elif asynchronous:
+        model.fit(dataset(), epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
     else:
         model.fit(dataset(), epochs=1, steps_per_epoch=total, **fit_kwargs)
 
@@ -396,7 +437,7 @@ def run(spec):
         "keras": keras_name,
         "tensorflow": tf.__version__,
         "strategy": type(strategy).__name__,
-        "architecture": HYBRID_ARCHITECTURES.get(contender),
+        "architecture": HYBRID_ARCHITECTURES.get(base_of(contender)),
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "global_batch": batch,
         "warmup_steps": warmup_steps,
@@ -415,7 +456,7 @@ def run(spec):
         "last_logs": timer.last_logs,
         "chief_vmhwm_kib": vm_hwm_kib(),
     }
-    if contender in HYBRID_ARCHITECTURES:
+    if base_of(contender) in HYBRID_ARCHITECTURES:
         result["placement"] = str(strategy.placement)
     if profiler is not None:
         result["profile"] = profiler.summary()

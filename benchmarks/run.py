@@ -192,7 +192,7 @@ def cluster_tasks(contender, workers, ps):
         return [Task("chief", "chief", 0)]
     tasks = [] if contender == "mwms" else [Task("chief", "chief", 0)]
     tasks += [Task(f"worker{i}", "worker", i) for i in range(workers)]
-    if contender in ("hybrid", "ps", "pss"):
+    if contenders_lib.base_of(contender) in contenders_lib.WITH_PS:
         tasks += [Task(f"ps{i}", "ps", i) for i in range(ps)]
     return tasks
 
@@ -569,7 +569,7 @@ def parse(argv):
         options.steps, options.warmup = QUICK["steps"], QUICK["warmup"]
     options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
     unknown = [c for c in options.contender_list
-               if c not in contenders_lib.CONTENDERS and c != "horovod"]
+               if contenders_lib.base_of(c) not in contenders_lib.CONTENDERS and c != "horovod"]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from "
                      f"{', '.join(contenders_lib.CONTENDERS)}")

@@ -183,7 +183,7 @@ class RowUpdater:
 
     # Update ------------------------------------------------------------------
 
-    def apply(self, optimizer, variable, slots, grad, mode="lazy"):
+    def apply(self, optimizer, variable, slots, grad, mode="lazy", concurrent=False):
         """Updates `variable` and its `slots` with `grad` by `optimizer`'s rule.
 
         `variable` is a `tf.Variable` (or a `keras.Variable`), typically one row
@@ -212,6 +212,11 @@ class RowUpdater:
         before incrementing `iterations`; the caller increments it after the
         step, as Keras does. Works eagerly and inside `tf.function`.
 
+        `concurrent=True` (asynchronous training: other steps may update the
+        same rows meanwhile) writes each new value as its difference from the
+        value read, added with the variable's own atomic operation, so that no
+        step's update overwrites another's.
+
         Returns an int32 scalar tensor, the number of rows written, that runs
         after every update (use it as a control dependency in graph code).
 
@@ -238,10 +243,10 @@ class RowUpdater:
             hyper = self._hyper(optimizer, dtype)
             if isinstance(grad, tf.IndexedSlices):
                 if mode == "lazy" or self._lazy_is_exact:
-                    ops, rows = self._apply_rows(hyper, variable, slot_vars, grad)
+                    ops, rows = self._apply_rows(hyper, variable, slot_vars, grad, concurrent)
                 else:
                     dense = _densify(grad, variable)
-                    ops, rows = self._apply_dense(hyper, variable, slot_vars, dense)
+                    ops, rows = self._apply_dense(hyper, variable, slot_vars, dense, concurrent)
             else:
                 dense = tf.cast(tf.convert_to_tensor(grad), dtype)
                 if variable.shape.is_fully_defined() and dense.shape.is_fully_defined():
@@ -249,30 +254,42 @@ class RowUpdater:
                         raise ValueError(
                             f"dense gradient of shape {dense.shape} for a variable "
                             f"of shape {variable.shape}")
-                ops, rows = self._apply_dense(hyper, variable, slot_vars, dense)
+                ops, rows = self._apply_dense(hyper, variable, slot_vars, dense, concurrent)
             with tf.control_dependencies([op for op in ops if op is not None]):
                 return tf.identity(rows)
 
-    def _apply_rows(self, hyper, variable, slots, grad):
+    def _apply_rows(self, hyper, variable, slots, grad, concurrent):
         """Gathers grad's rows of variable and slots, applies the rule, scatters back."""
         indices = grad.indices
         g = tf.cast(grad.values, variable.dtype)
         w = variable.sparse_read(indices)
         rows = {name: slot.sparse_read(indices) for name, slot in slots.items()}
         new_w, new_rows = self._rule(hyper, w, rows, g)
-        ops = [_op(slots[name].scatter_update(tf.IndexedSlices(new_rows[name], indices)))
+
+        def write(target, new, old):
+            if concurrent:
+                return _op(target.scatter_add(tf.IndexedSlices(new - old, indices)))
+            return _op(target.scatter_update(tf.IndexedSlices(new, indices)))
+
+        ops = [write(slots[name], new_rows[name], rows[name])
                for name in self.slot_names if name in new_rows]
-        ops.append(_op(variable.scatter_update(tf.IndexedSlices(new_w, indices))))
+        ops.append(write(variable, new_w, w))
         return ops, tf.size(indices, out_type=tf.int32)
 
-    def _apply_dense(self, hyper, variable, slots, g):
+    def _apply_dense(self, hyper, variable, slots, g, concurrent):
         """Keras's dense update on the whole variable and slots."""
         w = variable.read_value()
         full = {name: slot.read_value() for name, slot in slots.items()}
         new_w, new_full = self._rule(hyper, w, full, g)
-        ops = [slots[name].assign(new_full[name], read_value=False)
+
+        def write(target, new, old):
+            if concurrent:
+                return target.assign_add(new - old, read_value=False)
+            return target.assign(new, read_value=False)
+
+        ops = [write(slots[name], new_full[name], full[name])
                for name in self.slot_names if name in new_full]
-        ops.append(variable.assign(new_w, read_value=False))
+        ops.append(write(variable, new_w, w))
         return ops, tf.shape(variable, out_type=tf.int32)[0]
 
     # Per-optimizer parts -----------------------------------------------------

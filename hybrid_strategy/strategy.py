@@ -31,6 +31,7 @@ import tensorflow as tf
 # are the helpers it is built from (per-replica values, collective options,
 # the update/merge plumbing).
 from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
@@ -46,6 +47,7 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
+from hybrid_strategy import asynchronous as asynchronous_lib
 from hybrid_strategy import batches
 from hybrid_strategy import checkpointing
 from hybrid_strategy import clipping
@@ -127,12 +129,17 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             training before this process reports it and exits with code 75
             (EX_TEMPFAIL): the in-graph step cannot finish without it, and
             TensorFlow would otherwise wait forever. None disables the check.
+        asynchronous: With architecture "ps": each worker trains on its own
+            batches and applies its own updates, without waiting for the other
+            workers, as Parallax's asynchronous PS training (asynchronous.py says
+            what a step and the logs are then). Off by default.
     """
 
     def __init__(self, cluster_resolver=None, *, architecture="hybrid",
                  placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
                  table_shards=None, sparse_update="lazy", devices=None,
-                 communication_options=None, connect_timeout=60.0, task_timeout=60.0):
+                 communication_options=None, connect_timeout=60.0, task_timeout=60.0,
+                 asynchronous=False):
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
         else:
@@ -145,13 +152,18 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
             table_shards=table_shards, sparse_update=sparse_update, devices=devices,
             communication_options=communication_options,
-            connect_timeout=connect_timeout, task_timeout=task_timeout)
+            connect_timeout=connect_timeout, task_timeout=task_timeout,
+            asynchronous=asynchronous)
         # MirroredStrategy.__init__ would build its own extended object.
         tf.distribute.Strategy.__init__(self, extended)
 
     @property
     def architecture(self):
         return self.extended.policy.architecture
+
+    @property
+    def asynchronous(self):
+        return self.extended.policy.asynchronous
 
     @property
     def cluster(self):
@@ -179,7 +191,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, sparse_update,
-                 devices, communication_options, connect_timeout, task_timeout):
+                 devices, communication_options, connect_timeout, task_timeout,
+                 asynchronous):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -190,7 +203,10 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.policy = placement_lib.PlacementPolicy(
             architecture, num_ps=config.num_ps if config else 0,
             overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards)
+            table_shards=table_shards, asynchronous=asynchronous)
+        # Asynchronous steps run on one worker each: while the strategy works for one
+        # (`WorkerScope`), it replicates over that worker's devices only.
+        self.worker_scope = asynchronous_lib.WorkerScope() if asynchronous else None
         if sparse_update not in sparse_optimizers.MODES:
             raise ValueError(f"sparse_update={sparse_update!r}; use one of "
                              f"{sparse_optimizers.MODES}.")
@@ -242,6 +258,42 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         _install_keras_hooks()
 
     @property
+    def _devices(self):
+        worker = self.worker_scope.current() if self.worker_scope else None
+        if worker is None:
+            return self._all_devices
+        return self._input_workers_devices[worker][1]
+
+    @_devices.setter
+    def _devices(self, devices):
+        self._all_devices = tuple(devices)
+
+    @property
+    def replicas_per_worker(self):
+        return max(len(replicas) for _, replicas in self._input_workers_devices)
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        worker = self.worker_scope.current() if self.worker_scope else None
+        if worker is None:
+            return replica_id_in_sync_group
+        # Within one worker's step, its replica i reads and writes its own component
+        # of per-replica variables (metrics): that of replica i of this worker.
+        return sum(len(replicas) for _, replicas
+                   in self._input_workers_devices[:worker]) + replica_id_in_sync_group
+
+    def _broadcast_to(self, tensor, destinations):
+        if asynchronous_lib.is_shared(destinations):
+            # A shared variable's one value (its aggregation "only first replica").
+            return tensor
+        return super()._broadcast_to(tensor, destinations)
+
+    def _get_cross_device_ops(self, value):
+        if self.worker_scope and self.worker_scope.current() is not None:
+            # Within one worker's step: its replicas' values meet on its host.
+            return cross_device_ops_lib.ReductionToOneDevice()
+        return super()._get_cross_device_ops(value)
+
+    @property
     def spans_devices(self):
         """Whether replicas run on several devices or tasks (no tf.while_loop then)."""
         return self.cluster is not None or len(self._devices) > 1
@@ -265,8 +317,24 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             self.step_batch_sizes = None
 
     def _experimental_distribute_dataset(self, dataset, options):
+        if self.worker_scope:
+            # Each step trains one global batch on one worker's replicas.
+            batches.check_dataset(dataset, self.replicas_per_worker)
+            return asynchronous_lib.AsyncDataset(
+                self._container_strategy(), self.worker_scope, dataset, options,
+                lambda: super(HybridExtended, self)._experimental_distribute_dataset(
+                    dataset, options))
         batches.check_dataset(dataset, self._num_replicas_in_sync)
         return super()._experimental_distribute_dataset(dataset, options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if self.worker_scope:
+            raise NotImplementedError(
+                "HybridStrategy(asynchronous=True) cannot train on a dataset made with "
+                "distribute_datasets_from_function: each worker reads every W-th global "
+                "batch of one dataset. Pass fit a tf.data.Dataset batched with the global "
+                "batch size (or numpy arrays); tf.data shards files among the workers.")
+        return super()._distribute_datasets_from_function(dataset_fn, options)
 
     # Variable creation -------------------------------------------------------
 
@@ -279,6 +347,10 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
             return self._create_table(next_creator, kwargs, path, colocate_with.shape,
                                       colocate_with.devices, context.initializer)
+        if self.worker_scope and asynchronous_lib.is_shared(colocate_with):
+            return asynchronous_lib.create_shared(
+                next_creator, kwargs, colocate_with.device, self._container_strategy(),
+                self.replicas_per_worker)
         if colocate_with is not None:
             # A slot of a mirrored variable: it moves with the variable.
             variable = super()._create_variable(next_creator, **kwargs)
@@ -292,6 +364,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
             return self._create_table(next_creator, kwargs, info.path, info.shape,
                                       devices, context.initializer)
+        if (decided.kind == placement_lib.SHARED
+                and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
+            return asynchronous_lib.create_shared(
+                next_creator, kwargs, self._ps_devices[decided.shards[0].task or 0],
+                self._container_strategy(), self.replicas_per_worker)
         variable = super()._create_variable(next_creator, **kwargs)
         self._variable_infos[variable.ref()] = info
         return variable
@@ -406,6 +483,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._note_gradient_type(var, args)
         if table_lib.is_table(var):
             return self._update_table(var, fn, args, kwargs, group)
+        if not isinstance(var, values_lib.DistributedVariable):
+            return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):
@@ -431,7 +510,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                         updates.append(updater.apply(
                             optimizer, table.shards[k],
                             {name: slot.shards[k] for name, slot in slots.items()},
-                            part, mode=self.sparse_update))
+                            part, mode=self.sparse_update,
+                            concurrent=self.worker_scope is not None))
                 result = tf.group(updates)
         return distribute_utils.update_regroup(self, [result], group)
 
@@ -512,8 +592,9 @@ def _install_keras_hooks():
     (table.py), moving a mirrored variable read by row to a PS (`move_to_ps`), the
     layer each weight belongs to (creation.py), clipping of the summed gradient
     (clipping.py), id checks in Embedding layers (table.py), the even split of
-    batches (batches.py), tables in Keras weight files (checkpointing.py) and
-    several steps per call without a tf.while_loop (multi_step.py).
+    batches (batches.py), tables in Keras weight files (checkpointing.py),
+    several steps per call without a tf.while_loop (multi_step.py) and
+    asynchronous training (asynchronous.py).
     """
     import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
 
@@ -522,6 +603,7 @@ def _install_keras_hooks():
     creation.install_layer_tags()
     checkpointing.install_hooks()
     multi_step.install(_spans_devices)
+    asynchronous_lib.install(_asynchronous_scope)
     clipping.install_keras_hook(_under_hybrid_strategy)
     batches.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
     legacy = batches.legacy_keras()
@@ -546,6 +628,11 @@ def _assign_instance_keys_when_traced(collective_ops):
     # TF-private: the per-replica collective launchers of CollectiveAllReduce.
     for launcher in getattr(collective_ops, "_launchers", ()):
         launcher._use_unique_instance_key = lambda: False
+
+
+def _asynchronous_scope(strategy):
+    """The `WorkerScope` of a HybridStrategy that trains asynchronously, else None."""
+    return strategy.extended.worker_scope if isinstance(strategy, HybridStrategy) else None
 
 
 def _spans_devices(strategy):
