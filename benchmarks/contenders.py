@@ -362,71 +362,102 @@ def vm_hwm_kib(pid="self"):
 # The chief ------------------------------------------------------------------------
 
 
-def run(spec):
-    """Trains spec's model under spec's contender; writes the results JSON (task 0)."""
-    contender = spec["contender"]
-    model_spec = MODELS[spec["model"]]
-    legacy = contender in LEGACY_KERAS
-    if legacy:
-        keras = install_tf_keras_as_keras()
-        keras_name = f"tf_keras {keras.__version__}"
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if not legacy:
-        import keras  # pylint: disable=import-outside-toplevel
-        keras_name = f"keras {keras.__version__}"
-    tf.get_logger().setLevel("ERROR")
+class Trainer:
+    """A contender's Keras (Keras 3 or tf_keras), strategy and model module, and its way
+    of feeding `fit`; made first in a training program (connecting to the cluster
+    invalidates variables made before).
 
-    started = time.perf_counter()
-    # First: on a cluster, connecting to it invalidates variables created before.
-    strategy = make_strategy(contender, spec.get("num_ps", 0))
-    module = importlib.import_module(model_spec.module)
-    if legacy:
-        _adapt_for_tf_keras(module)
-    batch = spec["global_batch"]
-    asynchronous = base_of(contender) in ASYNCHRONOUS
-    warmup_steps = spec["steps"] if asynchronous else spec["warmup"]
-    total = warmup_steps + spec["steps"]
-    data_kwargs = dict(model_spec.data)
+    ```python
+    trainer = Trainer("hybrid", "recommender", num_ps=1)
+    model = trainer.build_model()
+    trainer.fit(model, examples=512 * 100, batch=512, epochs=1, steps_per_epoch=100)
+    ```
+    """
 
-    def dataset(shards=1, index=0):
-        data = module.make_dataset(batch * total, batch, seed=0, repeat=True, **data_kwargs)
+    def __init__(self, contender, model_name, num_ps):
+        self.contender = contender
+        self.model_spec = MODELS[model_name]
+        self.legacy = contender in LEGACY_KERAS
+        if self.legacy:
+            self.keras = install_tf_keras_as_keras()
+            self.keras_name = f"tf_keras {self.keras.__version__}"
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        if not self.legacy:
+            import keras  # pylint: disable=import-outside-toplevel
+            self.keras, self.keras_name = keras, f"keras {keras.__version__}"
+        tf.get_logger().setLevel("ERROR")
+        self.tf = tf
+        self.strategy = make_strategy(contender, num_ps)
+        self.module = importlib.import_module(self.model_spec.module)
+        if self.legacy:
+            _adapt_for_tf_keras(self.module)
+        self.asynchronous = base_of(contender) in ASYNCHRONOUS
+
+    def build_model(self, seed=0, strategy=None):
+        """The model, under `strategy` (default: the contender's), from `seed`."""
+        keras = self.keras
+        keras.utils.set_random_seed(seed)  # the same initial weights in every run
+        with (strategy or self.strategy).scope():
+            model = self.module.build_model(**self.model_spec.build)
+            if self.legacy and hasattr(self.module, "LanguageModel"):
+                model._bench_loss = keras.metrics.Mean(name="loss")
+                model.built = True  # its build() is the Keras 3 one; the layers are built
+        return model
+
+    def dataset(self, examples, batch, seed=0, shards=1, index=0, repeat=True):
+        """The model's data: `examples` examples in batches of `batch`, batch-sharded."""
+        tf = self.tf
+        data = self.module.make_dataset(examples, batch, seed=seed, repeat=repeat,
+                                        **self.model_spec.data)
         if shards > 1:
             data = data.shard(shards, index)
-        if contender == "mwms":
+        if self.contender == "mwms":
             options = tf.data.Options()
             options.experimental_distribute.auto_shard_policy = (
                 tf.data.experimental.AutoShardPolicy.DATA)
             data = data.with_options(options)
         return data
 
-    keras.utils.set_random_seed(0)  # the same initial weights in every run
-    with strategy.scope():
-        model = module.build_model(**model_spec.build)
-        if legacy and hasattr(module, "LanguageModel"):
-            model._bench_loss = keras.metrics.Mean(name="loss")
-            model.built = True  # its build() is the Keras 3 one; the layers are built
+    def fit(self, model, examples, batch, **fit_kwargs):
+        """`model.fit` on the repeated training data, as this contender takes it."""
+        if self.contender == "pss":
+            def dataset_fn(context):
+                return self.dataset(examples, batch, shards=context.num_input_pipelines,
+                                    index=context.input_pipeline_id)
+            data = self.keras.utils.experimental.DatasetCreator(dataset_fn)
+        else:
+            data = self.dataset(examples, batch)
+        return model.fit(data, verbose=0, shuffle=False, **fit_kwargs)
+
+
+def run(spec):
+    """Trains spec's model under spec's contender; writes the results JSON (task 0)."""
+    contender = spec["contender"]
+    started = time.perf_counter()
+    trainer = Trainer(contender, spec["model"], spec.get("num_ps", 0))
+    keras, tf, strategy = trainer.keras, trainer.tf, trainer.strategy
+    model_spec = trainer.model_spec
+    batch = spec["global_batch"]
+    asynchronous = trainer.asynchronous
+    warmup_steps = spec["steps"] if asynchronous else spec["warmup"]
+    total = warmup_steps + spec["steps"]
+    model = trainer.build_model()
     steps_per_execution = spec.get("steps_per_execution", 1)
     if steps_per_execution > 1:
         # The examples compile their models; only the steps per call change.
-        if legacy:
+        if trainer.legacy:
             model._configure_steps_per_execution(steps_per_execution)
         else:
             model.steps_per_execution = steps_per_execution
     profile = spec.get("profile")
     profiler = Profiler(profile["logdir"], profile["duration_ms"]) if profile else None
     timer = make_timer(keras, spec, asynchronous, profiler)
-    fit_kwargs = dict(verbose=0, callbacks=[timer], shuffle=False)
     setup_seconds = time.perf_counter() - started
-    if contender == "pss":
-        def dataset_fn(context):
-            return dataset(context.num_input_pipelines, context.input_pipeline_id)
-        train = keras.utils.experimental.DatasetCreator(dataset_fn)
-        model.fit(train, epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
-    elif asynchronous:
-        model.fit(dataset(), epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
-    else:
-        model.fit(dataset(), epochs=1, steps_per_epoch=total, **fit_kwargs)
+    # Asynchronous contenders: epoch 0 warms up, epoch 1 is measured.
+    epochs, steps_per_epoch = (2, spec["steps"]) if asynchronous else (1, total)
+    trainer.fit(model, batch * total, batch, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                callbacks=[timer])
 
     seconds = timer.end - timer.start
     steps = spec["steps"]
@@ -434,7 +465,7 @@ def run(spec):
     result = {
         "contender": contender,
         "model": spec["model"],
-        "keras": keras_name,
+        "keras": trainer.keras_name,
         "tensorflow": tf.__version__,
         "strategy": type(strategy).__name__,
         "architecture": HYBRID_ARCHITECTURES.get(base_of(contender)),

@@ -20,8 +20,6 @@ Cases:
   in the middle of an epoch holds every step handed out before it.
 """
 
-import argparse
-import functools
 import json
 import os
 import sys
@@ -209,23 +207,9 @@ def report(make_strategy, workers):
 
 
 def main(argv):
-    import hybrid_strategy
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--local-replicas", type=int, default=0,
-                        help="run on this machine alone with this many CPU replicas")
-    args = parser.parse_args(argv)
-    make_strategy = functools.partial(
-        hybrid_strategy.HybridStrategy, architecture="ps", asynchronous=True,
-        min_shard_bytes=scenario.MIN_SHARD_BYTES)
+    make_strategy = scenario.strategy_maker(argv, architecture="ps", asynchronous=True)
     workers = len(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {}).get(
         "worker", [])) or 1
-    if args.local_replicas:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * args.local_replicas)
-        make_strategy = functools.partial(
-            make_strategy, devices=[f"/cpu:{i}" for i in range(args.local_replicas)])
     json.dump(report(make_strategy, workers), sys.stdout)
     sys.stdout.write("\n")
 
