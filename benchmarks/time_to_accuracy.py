@@ -87,7 +87,7 @@ TARGETS = {
     "lm": Target("val_perplexity", 1000.0, False, "validation perplexity"),
 }
 DEFAULTS = {  # eval_every, train_batches, validation_examples, time_limit
-    "recommender": (100, 1000, 16_384, 300.0),
+    "recommender": (100, 1000, 16_384, 400.0),
     "lm": (50, 1000, 512, 600.0),
 }
 

@@ -8,7 +8,7 @@ batches and applies its gradients to the PS variables itself, with no all-reduce
 wait for the other workers. The chief runs these functions from one thread per worker
 (TensorFlow releases the GIL while a function runs), so all workers train at once.
 
-What Keras sees (`model.fit`, Keras 3):
+What Keras sees (`model.fit`, Keras 3 and tf_keras):
 - **A step** is one global batch, trained on one worker (split over its replicas), as
   `tf.distribute.ParameterServerStrategy` does: the update is that batch's, as on one
   device, but computed from variables that other workers' steps may have changed since
@@ -366,12 +366,13 @@ class AsyncTrainFunction:
             `scope.of_worker(w)`); it runs up to `steps` steps, fewer when the
             worker's batches run out.
         scope: The strategy's `WorkerScope`.
-        steps_per_call: Steps of each call (Keras' `steps_per_execution`).
-        one_step: `one_step()` makes a Keras training function for a batch given
+        steps_per_call: `steps_per_call()`, the steps of the next call (Keras'
+            steps per execution).
+        one_step: `one_step()` makes a Keras 3 training function for a batch given
             as data (`train_on_batch`), which runs on the first worker.
     """
 
-    def __init__(self, functions, scope, steps_per_call, one_step):
+    def __init__(self, functions, scope, steps_per_call, one_step=None):
         self._functions = functions
         self._scope = scope
         self._steps_per_call = steps_per_call
@@ -399,7 +400,7 @@ class AsyncTrainFunction:
             workers.raise_error()
             if workers.ran_out(iterator):
                 return self._end_of_data()
-            ticket = _Ticket(iterator, self._functions, self._steps_per_call)
+            ticket = _Ticket(iterator, self._functions, self._steps_per_call())
             workers.queue.append(ticket)
             workers.cv.notify_all()
             if not workers.fresh:
@@ -435,7 +436,7 @@ def join_all(cancel=False):
 
 
 def install(asynchronous_scope):
-    """Makes Keras 3 (and tf_keras, to refuse it) train asynchronously where it applies.
+    """Makes Keras 3 (and tf_keras, when `tf.keras` is it) train asynchronously where it applies.
 
     Args:
         asynchronous_scope: `asynchronous_scope(strategy)` is the strategy's
@@ -451,7 +452,7 @@ def install(asynchronous_scope):
     from hybrid_strategy import batches  # pylint: disable=import-outside-toplevel
     legacy = batches.legacy_keras()
     if legacy is not None:
-        _refuse_tf_keras(legacy, asynchronous_scope)
+        _install_tf_keras(legacy, asynchronous_scope)
 
 
 def _install_keras3(asynchronous_scope):
@@ -469,38 +470,46 @@ def _install_keras3(asynchronous_scope):
         num_workers = len(self.distribute_strategy.extended._input_workers_devices)  # pylint: disable=protected-access
         self.train_function = AsyncTrainFunction(
             [multi_step.keras3_function(self, self.train_step, trainer_lib, counted=True)
-             for _ in range(num_workers)], scope, self.steps_per_execution,
+             for _ in range(num_workers)], scope, lambda: self.steps_per_execution,
             lambda: multi_step.keras3_function(self, self.train_step, trainer_lib))
         return self.train_function
 
-    def waiting(make, name, unwrap):
-        def make_function(self, force=False):
-            make(self, force=force)
-            function = getattr(self, name)
-            if (asynchronous_scope(self.distribute_strategy) is not None
-                    and not getattr(function, "_waits_for_steps", False)):
-                def wait_then_run(data):
-                    join_all()
-                    return function(unwrap(data))
-
-                wait_then_run._waits_for_steps = True
-                setattr(self, name, wait_then_run)
-            return getattr(self, name)
-
-        return make_function
-
     trainer.make_train_function = make_train_function
-    trainer.make_test_function = waiting(trainer.make_test_function, "test_function",
-                                         _synchronous)
-    trainer.make_predict_function = waiting(trainer.make_predict_function, "predict_function",
-                                            lambda data: data)
+    for name in ("test_function", "predict_function"):
+        _wait_before(trainer, name, asynchronous_scope)
+    # Its guard ends every epoch, evaluation and prediction.
+    _join_at_the_end(trainer_lib.TFEpochIterator, "_distributed_dataset")
 
-    epoch_iterator = trainer_lib.TFEpochIterator
-    catch_stop_iteration = epoch_iterator.catch_stop_iteration
+
+def _wait_before(model_class, name, asynchronous_scope):
+    """Makes `model_class.make_<name>`'s function wait for the steps in flight, then run
+    on the synchronous iterator (Keras 3's prediction takes batches: they pass through)."""
+    make = getattr(model_class, f"make_{name}")
+
+    def make_function(self, force=False):
+        make(self, force=force)
+        function = getattr(self, name)
+        if (asynchronous_scope(self.distribute_strategy) is not None
+                and not getattr(function, "_waits_for_steps", False)):
+            def wait_then_run(data):
+                join_all()
+                return function(_synchronous(data))
+
+            wait_then_run._waits_for_steps = True
+            setattr(self, name, wait_then_run)
+        return getattr(self, name)
+
+    setattr(model_class, f"make_{name}", make_function)
+
+
+def _join_at_the_end(iterator_class, dataset_attribute):
+    """Makes `iterator_class.catch_stop_iteration` (the guard around an epoch's steps)
+    wait for every step handed out when the dataset it iterates is asynchronous."""
+    catch_stop_iteration = iterator_class.catch_stop_iteration
 
     @contextlib.contextmanager
     def joining_at_the_end(self):
-        if not isinstance(self._distributed_dataset, AsyncDataset):
+        if not isinstance(getattr(self, dataset_attribute, None), AsyncDataset):
             with catch_stop_iteration(self):
                 yield
             return
@@ -512,7 +521,7 @@ def _install_keras3(asynchronous_scope):
             raise
         join_all()
 
-    epoch_iterator.catch_stop_iteration = joining_at_the_end
+    iterator_class.catch_stop_iteration = joining_at_the_end
 
 
 def _install_atomic_increments():
@@ -554,16 +563,40 @@ def _install_saving_waits():
         setattr(saving_lib, name, waiting(getattr(saving_lib, name)))
 
 
-def _refuse_tf_keras(tf_keras, asynchronous_scope):
-    make_train = tf_keras.Model.make_train_function
+def _install_tf_keras(tf_keras, asynchronous_scope):
+    # tf_keras-private: the pieces of its training step (as `make_train_function` makes
+    # it) and the data handler whose guard ends every epoch.
+    from tf_keras.src.engine import data_adapter
+    from tf_keras.src.engine import training
+
+    model_class = tf_keras.Model
+    make_train = model_class.make_train_function
 
     def make_train_function(self, force=False):
-        if asynchronous_scope(self.distribute_strategy) is not None:
-            raise NotImplementedError(
-                "HybridStrategy(asynchronous=True) trains Keras 3 models; tf_keras "
-                "(TF_USE_LEGACY_KERAS=1) is not supported. Unset TF_USE_LEGACY_KERAS, "
-                "or train tf_keras models asynchronously with "
-                "tf.distribute.ParameterServerStrategy.")
-        return make_train(self, force=force)
+        scope = asynchronous_scope(self.distribute_strategy)
+        if scope is None or (self.train_function is not None and not force):
+            return make_train(self, force=force)
+        strategy = self.distribute_strategy
 
-    tf_keras.Model.make_train_function = make_train_function
+        def one_step_on_data(data):
+            def run_step(data):
+                outputs = self.train_step(data)
+                with tf.control_dependencies(training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
+                    self._train_counter.assign_add(1)  # pylint: disable=protected-access
+                return outputs
+
+            return training.reduce_per_replica(strategy.run(run_step, args=(data,)),
+                                               strategy, self.distribute_reduction_method)
+
+        steps = self._steps_per_execution  # pylint: disable=protected-access
+        num_workers = len(strategy.extended._input_workers_devices)  # pylint: disable=protected-access
+        self.train_function = AsyncTrainFunction(
+            [multi_step.counted_function(strategy, int(steps.numpy()), one_step_on_data,
+                                         multi_step.on_this_process, self.run_eagerly)
+             for _ in range(num_workers)], scope, lambda: int(steps.numpy()))
+        return self.train_function
+
+    model_class.make_train_function = make_train_function
+    for name in ("test_function", "predict_function"):
+        _wait_before(model_class, name, asynchronous_scope)
+    _join_at_the_end(data_adapter.DataHandler, "_dataset")

@@ -152,11 +152,7 @@ def _install_keras3(unrolls):
 def keras3_function(model, step_function, trainer_lib, counted=False):
     """Keras 3's `_make_function`: the step inline, N steps unrolled, logs packed.
 
-    `counted`: the function takes an iterator and a number of steps to run (at most
-    N) and returns how many ran and the last one's logs; every step, the first
-    included, runs inside a conditional on its batch, so that a call with no data
-    left runs nothing at all (not even what does not depend on the data, such as
-    the optimizer's step counter).
+    `counted`: the function is `counted_function`'s (it counts the steps it ran).
     """
     strategy = model.distribute_strategy
     steps = model.steps_per_execution
@@ -172,6 +168,9 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
         one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
                                        jit_compile=True)
     one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+    if counted:
+        return counted_function(strategy, steps, one_step_on_data, logs.unpack,
+                                model.run_eagerly)
 
     def later_step(iterator, _):
         batch = iterator.get_next_as_optional()
@@ -187,28 +186,12 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
             packed = run_steps(iterator)
         return logs.unpack(packed)
 
-    def counted_steps_on_iterator(iterator, limit):
-        with tf.device(strategy.extended.worker_devices[0]):
-            count, packed = _counted_steps(steps, one_step_on_data, iterator, limit)
-        with tf.device(_this_process_device()):
-            count = tf.identity(count)
-        return count, logs.unpack(packed)
-
     def step_on_data(data):
         return logs.unpack(one_step_on_data(data))
 
     if not model.run_eagerly:
         multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
-        counted_steps_on_iterator = tf.function(counted_steps_on_iterator,
-                                                reduce_retracing=True)
         step_on_data = tf.function(step_on_data, reduce_retracing=True)
-
-    if counted:
-        def run_counted(iterator, limit):
-            count, outputs = counted_steps_on_iterator(iterator, tf.constant(limit))
-            return int(count), outputs
-
-        return run_counted
 
     def function(iterator):
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
@@ -219,6 +202,38 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
         return outputs
 
     return function
+
+
+def counted_function(strategy, steps, one_step_on_data, unpack, run_eagerly=False):
+    """`run(iterator, limit) -> (steps run, outputs)`: up to `min(steps, limit)` steps.
+
+    Every step, the first included, runs inside a conditional on its batch, so that a
+    call with no data left runs nothing at all (not even what does not depend on the
+    data, such as the optimizer's step counter); fewer steps than the limit ran when
+    the data ran out. `unpack` brings the last step's outputs to this process.
+    """
+    def counted_steps_on_iterator(iterator, limit):
+        with tf.device(strategy.extended.worker_devices[0]):
+            count, outputs = _counted_steps(steps, one_step_on_data, iterator, limit)
+        with tf.device(_this_process_device()):
+            count = tf.identity(count)
+        return count, unpack(outputs)
+
+    if not run_eagerly:
+        counted_steps_on_iterator = tf.function(counted_steps_on_iterator,
+                                                reduce_retracing=True)
+
+    def run(iterator, limit):
+        count, outputs = counted_steps_on_iterator(iterator, tf.constant(limit))
+        return int(count), outputs
+
+    return run
+
+
+def on_this_process(outputs):
+    """`outputs` (tensors) copied to this process, within a function being traced."""
+    with tf.device(_this_process_device()):
+        return tf.nest.map_structure(tf.identity, outputs)
 
 
 def _counted_steps(steps, one_step_on_data, iterator, limit):

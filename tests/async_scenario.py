@@ -1,8 +1,8 @@
 """Asynchronous training scenarios (`HybridStrategy(architecture="ps", asynchronous=True)`).
 
 Run as the chief of a local cluster, or on this machine alone with two CPU replicas
-(one worker: its steps run one after the other, so training is exactly sequential);
-prints its report as JSON:
+(one worker: its steps run one after the other, so training is exactly sequential),
+under Keras 3 or, with TF_USE_LEGACY_KERAS=1, tf_keras; prints its report as JSON:
 
     python -m hybrid_strategy.launch --workers 2 --ps 1 -- python tests/async_scenario.py
     python tests/async_scenario.py --local-replicas 2
@@ -16,8 +16,9 @@ Cases:
   single-device training does, whatever order the workers' steps ran in (one and
   three steps per call);
 - convergence: a click-through model (two tables, an MLP, Adagrad, AUC) learns, the
-  optimizer counts every step, epochs end after every step, and a checkpoint written
-  in the middle of an epoch holds every step handed out before it.
+  optimizer counts every step, epochs end after every step, and a checkpoint (and a
+  Keras 3 weights file) written in the middle of an epoch holds every step handed out
+  before it.
 """
 
 import json
@@ -30,8 +31,10 @@ import numpy as np
 import tensorflow as tf
 
 import scenario
+from hybrid_strategy import batches
 
 keras = tf.keras
+LEGACY = batches.legacy_keras() is not None  # tf.keras is tf_keras
 
 EQUIVALENCE_CASES = {name: scenario.CASES[name] for name in ("adagrad", "adam_exact")}
 LINEAR_ROWS, LINEAR_FEATURES, LINEAR_BATCH, LINEAR_STEPS, LINEAR_EPOCHS = 300, 5, 32, 8, 3
@@ -132,11 +135,14 @@ def ctr_model():
 
 class Observer(keras.callbacks.Callback):
     """Records what callbacks see: iterations at each epoch's end, batch logs, and a
-    checkpoint written after batch SAVE_AT_BATCH of epoch 1."""
+    checkpoint of the optimizer (and, with Keras 3, a weights file) written after
+    batch SAVE_AT_BATCH of epoch 1."""
 
-    def __init__(self, path):
+    def __init__(self, workdir):
         super().__init__()
-        self.path, self.epoch = path, 0
+        self.checkpoint = os.path.join(workdir, "mid_epoch")
+        self.weights = os.path.join(workdir, "mid_epoch.weights.h5")
+        self.epoch = 0
         self.iterations_at_epoch_end, self.batch_logs_with_loss = [], 0
         self.saved_after_steps = None
 
@@ -146,8 +152,19 @@ class Observer(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.batch_logs_with_loss += "loss" in (logs or {})
         if self.epoch == 1 and batch == SAVE_AT_BATCH:
-            self.model.save_weights(self.path)
+            tf.train.Checkpoint(optimizer=self.model.optimizer).write(self.checkpoint)
+            if not LEGACY:  # tf_keras weight files hold no optimizer
+                self.model.save_weights(self.weights)
             self.saved_after_steps = CTR_STEPS + batch + 1
+
+    def saved_iterations(self):
+        """{"checkpoint": .., "weights file": ..}: the counter in what was written."""
+        saved = {"checkpoint": int(tf.train.load_checkpoint(self.checkpoint).get_tensor(
+            "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"))}
+        if not LEGACY:
+            with h5py.File(self.weights) as weights:
+                saved["weights file"] = int(weights["optimizer/vars/0"][()])
+        return saved
 
     def on_epoch_end(self, epoch, logs=None):
         self.iterations_at_epoch_end.append(int(self.model.optimizer.iterations.numpy()))
@@ -160,21 +177,19 @@ def convergence_case(make_strategy, workdir):
     keras.utils.set_random_seed(3)
     with strategy.scope():
         model = ctr_model()
-    observer = Observer(os.path.join(workdir, "mid_epoch.weights.h5"))
+    observer = Observer(workdir)
     history = model.fit(x, y, batch_size=CTR_BATCH, epochs=CTR_EPOCHS, shuffle=False,
                         verbose=0, validation_data=(x_val, y_val), callbacks=[observer])
-    with h5py.File(observer.path) as saved:
-        saved_iterations = int(saved["optimizer/vars/0"][()])
     return {
         "loss": history.history["loss"],
         "val_auc": history.history["val_auc"],
         "iterations": int(model.optimizer.iterations.numpy()),
         "iterations_at_epoch_end": observer.iterations_at_epoch_end,
         "batch_logs_with_loss": observer.batch_logs_with_loss,
-        "saved_iterations": saved_iterations,
+        "saved_iterations": observer.saved_iterations(),
         "saved_after_steps": observer.saved_after_steps,
         "placement": str(strategy.placement),
-        "optimizer_devices": {scenario.weight_path(v): getattr(v.value, "device", None)
+        "optimizer_devices": {scenario.weight_path(v): scenario.raw_variable(v).device
                               for v in model.optimizer.variables[:2]},
     }
 
