@@ -461,24 +461,37 @@ def _install_keras3(asynchronous_scope):
     from keras.src.backend.tensorflow import trainer as trainer_lib
 
     trainer = trainer_lib.TensorFlowTrainer
-    make_train = trainer.make_train_function
+
+    def train_function(model, scope):
+        return AsyncTrainFunction(
+            [multi_step.keras3_function(model, model.train_step, trainer_lib, counted=True)
+             for _ in range(_num_workers(model))], scope, lambda: model.steps_per_execution,
+            lambda: multi_step.keras3_function(model, model.train_step, trainer_lib))
+
+    _train_asynchronously(trainer, asynchronous_scope, train_function)
+    for name in ("test_function", "predict_function"):
+        _wait_before(trainer, name, asynchronous_scope)
+    # Its guard ends every epoch, evaluation and prediction.
+    _join_at_the_end(trainer_lib.TFEpochIterator, "_distributed_dataset")
+
+
+def _train_asynchronously(model_class, asynchronous_scope, train_function):
+    """Makes `model_class.make_train_function` make `train_function(model, scope)` for a
+    model under an asynchronous strategy (whose `WorkerScope` is `scope`)."""
+    make_train = model_class.make_train_function
 
     def make_train_function(self, force=False):
         scope = asynchronous_scope(self.distribute_strategy)
         if scope is None or (self.train_function is not None and not force):
             return make_train(self, force=force)
-        num_workers = len(self.distribute_strategy.extended._input_workers_devices)  # pylint: disable=protected-access
-        self.train_function = AsyncTrainFunction(
-            [multi_step.keras3_function(self, self.train_step, trainer_lib, counted=True)
-             for _ in range(num_workers)], scope, lambda: self.steps_per_execution,
-            lambda: multi_step.keras3_function(self, self.train_step, trainer_lib))
+        self.train_function = train_function(self, scope)
         return self.train_function
 
-    trainer.make_train_function = make_train_function
-    for name in ("test_function", "predict_function"):
-        _wait_before(trainer, name, asynchronous_scope)
-    # Its guard ends every epoch, evaluation and prediction.
-    _join_at_the_end(trainer_lib.TFEpochIterator, "_distributed_dataset")
+    model_class.make_train_function = make_train_function
+
+
+def _num_workers(model):
+    return len(model.distribute_strategy.extended._input_workers_devices)  # pylint: disable=protected-access
 
 
 def _wait_before(model_class, name, asynchronous_scope):
@@ -570,33 +583,27 @@ def _install_tf_keras(tf_keras, asynchronous_scope):
     from tf_keras.src.engine import training
 
     model_class = tf_keras.Model
-    make_train = model_class.make_train_function
 
-    def make_train_function(self, force=False):
-        scope = asynchronous_scope(self.distribute_strategy)
-        if scope is None or (self.train_function is not None and not force):
-            return make_train(self, force=force)
-        strategy = self.distribute_strategy
+    def train_function(model, scope):
+        strategy = model.distribute_strategy
 
         def one_step_on_data(data):
-            def run_step(data):
-                outputs = self.train_step(data)
+            def run_step(data):  # as tf_keras' own step runs it
+                outputs = model.train_step(data)
                 with tf.control_dependencies(training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
-                    self._train_counter.assign_add(1)  # pylint: disable=protected-access
+                    model._train_counter.assign_add(1)  # pylint: disable=protected-access
                 return outputs
 
             return training.reduce_per_replica(strategy.run(run_step, args=(data,)),
-                                               strategy, self.distribute_reduction_method)
+                                               strategy, model.distribute_reduction_method)
 
-        steps = self._steps_per_execution  # pylint: disable=protected-access
-        num_workers = len(strategy.extended._input_workers_devices)  # pylint: disable=protected-access
-        self.train_function = AsyncTrainFunction(
+        steps = model._steps_per_execution  # pylint: disable=protected-access
+        return AsyncTrainFunction(
             [multi_step.counted_function(strategy, int(steps.numpy()), one_step_on_data,
-                                         multi_step.on_this_process, self.run_eagerly)
-             for _ in range(num_workers)], scope, lambda: int(steps.numpy()))
-        return self.train_function
+                                         multi_step.on_this_process, model.run_eagerly)
+             for _ in range(_num_workers(model))], scope, lambda: int(steps.numpy()))
 
-    model_class.make_train_function = make_train_function
+    _train_asynchronously(model_class, asynchronous_scope, train_function)
     for name in ("test_function", "predict_function"):
         _wait_before(model_class, name, asynchronous_scope)
     _join_at_the_end(data_adapter.DataHandler, "_dataset")
