@@ -1,8 +1,9 @@
 """Asynchronous training, as Parallax trains in its PS architecture: workers do not wait for each other.
 
 `HybridStrategy(architecture="ps", asynchronous=True)` keeps every variable on the PS tasks
-(tables by row; what synchronous training mirrors, such as optimizer counters and
-metrics, whole on one PS task) and gives each worker a training step of its own: a
+(tables by row; what synchronous training mirrors, such as optimizer counters, whole on
+one PS task; metric state per replica, as in synchronous training, each worker's
+replicas keeping their own) and gives each worker a training step of its own: a
 function replicated over that worker's devices only, which reads that worker's own
 batches and applies its gradients to the PS variables itself, with no all-reduce and no
 wait for the other workers. The chief runs these functions from one thread per worker
@@ -19,8 +20,8 @@ What Keras sees (`model.fit`, Keras 3 and tf_keras):
   and returns while it runs; calls wait only while every worker has a step running and
   one queued.
 - **Logs** passed to `on_train_batch_end` are those of the latest step that finished
-  (metrics over every finished step of the epoch, as the metrics live on the PS); the
-  first call of each epoch waits for its own step, so there always are some.
+  (the running metrics of the worker that ran it); the first call of each epoch waits
+  for its own step, so there always are some. Epoch logs cover every step.
 - **Epochs** end once every step handed out has finished: `on_epoch_end`, validation,
   checkpoints and `evaluate` see every step's updates. Saving a checkpoint or the
   weights, `evaluate` and `predict` also wait for the steps in flight when called in the
@@ -111,11 +112,10 @@ def create_shared(next_creator, kwargs, device, strategy, replicas_per_worker):
     """One variable on `device` that every worker's steps read and write.
 
     What synchronous training mirrors (optimizer counters, scalar weights, their
-    slots). With several replicas per worker, writes made in a replica context are
-    aggregated over the worker's replicas first (by the variable's aggregation), as
-    a mirrored variable's would be. Per-replica state (metrics: synchronization
-    ON_READ) is not shared: each replica of each worker keeps its own, as in
-    synchronous training, so no two steps write it at once.
+    slots), but not per-replica state (metrics), which the strategy keeps per replica
+    of every worker, so that no two steps write it at once. With several replicas per
+    worker, writes made in a replica context are aggregated over the worker's
+    replicas first (by the variable's aggregation), as a mirrored variable's would be.
     """
     kwargs = dict(kwargs)
     kwargs.pop("colocate_with", None)
