@@ -32,7 +32,8 @@ callback. For the synchronous contenders the callback receives every call's logs
 numbers (so its steps have finished), one epoch runs warm-up + measured steps, and the
 measured window starts at `on_train_batch_begin` of the first measured step and ends at
 `on_train_batch_end` of the last; with N steps per call, a call's time counts as N steps
-of a Nth of it each. The asynchronous contenders (ParameterServerStrategy and ps-async)
+of a Nth of it each; the first call (tracing the step, then running it) is timed apart
+("first_call_seconds"). The asynchronous contenders (ParameterServerStrategy and ps-async)
 run each step on one worker with the whole global batch, and a call returns before its
 step has finished; `fit` runs two epochs of `steps` steps (the first is the warm-up) and
 the window is the second epoch, which ends once every step has finished
@@ -90,6 +91,13 @@ MODELS = {
                     data={"seq_len": LM_SEQ_LEN}),
     "cnn": ModelSpec("keras_examples.cnn", "examples", 256),
     "text": ModelSpec("keras_examples.text_classifier", "examples", 256),
+    # Idioms of model libraries: a decoder whose token table is its output projection
+    # (a dense gradient), and the recommender with an l2 penalty on every table.
+    "lm_tied": ModelSpec("keras_examples.decoder_lm", "tokens", 64,
+                         units_per_example=LM_SEQ_LEN, build={"seq_len": LM_SEQ_LEN},
+                         data={"seq_len": LM_SEQ_LEN}),
+    "recommender_l2": ModelSpec("keras_examples.recommender", "examples", 512,
+                                build={"l2": 1e-5}),
 }
 
 
@@ -228,6 +236,7 @@ def make_timer(keras, spec, asynchronous, profiler=None):
             # RemoteValues; a synchronous contender's hooks get numbers (the step is done).
             self._supports_tf_logs = asynchronous
             self.step_times, self.start, self.end = [], None, None
+            self.first_call = [None, None]  # the first call traces the step
             self.last_logs, self._last = {}, None
             self.measuring = False
             self.warmup = spec["warmup"]
@@ -249,12 +258,16 @@ def make_timer(keras, spec, asynchronous, profiler=None):
 
         # Synchronous contenders: one epoch, window by steps.
         def on_train_batch_begin(self, batch, logs=None):
+            if self.first_call[0] is None:
+                self.first_call[0] = time.perf_counter()
             if not asynchronous and batch == self.warmup:
                 self._begin()
 
         def on_train_batch_end(self, batch, logs=None):
             if asynchronous:
                 return
+            if self.first_call[1] is None:
+                self.first_call[1] = time.perf_counter()
             if self.measuring:
                 now = time.perf_counter()
                 per_step = spec.get("steps_per_execution", 1)
@@ -484,6 +497,8 @@ def run(spec):
         "unit": model_spec.unit,
         "units_per_s": examples_per_s * model_spec.units_per_example,
         "setup_seconds": setup_seconds,
+        "first_call_seconds": (None if None in timer.first_call
+                               else timer.first_call[1] - timer.first_call[0]),
         "last_logs": timer.last_logs,
         "chief_vmhwm_kib": vm_hwm_kib(),
     }

@@ -36,7 +36,10 @@ global batches of the model's own `make_dataset` is run through `model.compute_l
 under a GradientTape (Keras 3, no strategy), and the unique indices of every
 `tf.IndexedSlices` gradient are counted (this includes, for the language model, the
 candidates its sampled softmax draws each step). r_t is their mean. Input data is not
-counted: every worker reads its own share locally.
+counted: every worker reads its own share locally. Weight penalties (a `regularizer` on
+a variable) are left out of that loss: a penalty is computed where its variable lives
+(HybridStrategy computes a table's on its PS), so it moves no bytes; with it, a
+regularized table's gradient would be dense.
 """
 
 import argparse
@@ -83,10 +86,17 @@ def gradient_profile(model, batches):
     variables = list(model.trainable_variables)
     unique = [[] for _ in variables]
     sparse = [None] * len(variables)
+    regularizers = [v.regularizer for v in variables]
     for x, y in batches:
-        with tf.GradientTape() as tape:
-            y_pred = model(x, training=True)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        for v in variables:
+            v.regularizer = None
+        try:
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        finally:
+            for v, regularizer in zip(variables, regularizers):
+                v.regularizer = regularizer
         grads = tape.gradient(loss, variables)
         for k, grad in enumerate(grads):
             if grad is None:

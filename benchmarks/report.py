@@ -413,7 +413,10 @@ def readme(runs, images):
              "- **Scaling with the number of workers** (the coordinator's CPU per step "
              "against W, examples/s per worker, several steps per call): "
              "[scaling.md](scaling.md), from `python -m benchmarks.scaling`, whose runs "
-             "are kept in `scaling/`.",
+             "are kept in `scaling/`; **several replicas per worker**, 1 to 8 x 6 = 48 "
+             "replicas (first call, chief memory and CPU, step time, where a step's time "
+             "goes): [replicas.md](replicas.md), from `python -m benchmarks.replicas`, "
+             "whose runs are kept in `replicas/`.",
              "- **Checkpoint memory** (peak RSS of the chief and each ps while saving and "
              "restoring 256 MiB and 1 GiB tables, before and after checkpoints were written "
              "on the ps): [checkpoint_memory.md](checkpoint_memory.md), from `python -m "

@@ -292,9 +292,13 @@ class ContenderRun:
 
     def _start_servers(self, addresses):
         python = sys.executable
+        devices = self.options.devices_per_worker
         for task in self.servers:
             env = _environ({"TF_CONFIG": self._tf_config(addresses, task)})
-            self._spawn(task, [python, "-m", "hybrid_strategy.server"], env)
+            argv = [python, "-m", "hybrid_strategy.server"]
+            if task.job == "worker" and devices > 1:
+                argv += ["--cpu-devices", str(devices)]
+            self._spawn(task, argv, env)
         deadline = time.monotonic() + _SERVER_START_TIMEOUT
         waiting = list(self.servers)
         while waiting:
@@ -545,6 +549,9 @@ def parse(argv):
     parser.add_argument("--contenders", default=",".join(contenders_lib.CONTENDERS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--devices-per-worker", type=int, default=1,
+                        help="CPU devices (replicas) per worker of the HybridStrategy "
+                        "contenders (hybrid_strategy.server --cpu-devices)")
     parser.add_argument("--link-gbit", type=float, default=None,
                         help="rate limit of every emulated link, Gbit/s (namespaces only)")
     parser.add_argument("--steps", type=int, default=30, help="measured steps")
@@ -593,6 +600,12 @@ def parse(argv):
         parser.error("--workers and --ps must be at least 1")
     if options.steps < 1 or options.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step traces)")
+    if options.devices_per_worker < 1:
+        parser.error("--devices-per-worker must be at least 1")
+    others = [c for c in options.contender_list if c not in contenders_lib.HYBRID_ARCHITECTURES]
+    if options.devices_per_worker > 1 and others:
+        parser.error(f"--devices-per-worker applies to hybrid, allreduce and ps only; "
+                     f"leave out {', '.join(others)}")
     if options.repeats < 1:
         parser.error("--repeats must be at least 1")
     n = options.steps_per_execution
@@ -623,9 +636,10 @@ def run_model(options, model, mode, why, argv):
     options.model_name = model
     spec = contenders_lib.MODELS[model]
     options.global_batch = options.global_batch_arg or spec.global_batch
-    if options.global_batch % options.workers:
+    replicas = options.workers * options.devices_per_worker
+    if options.global_batch % replicas:
         raise SystemExit(f"--global-batch {options.global_batch} must be a multiple of "
-                         f"--workers {options.workers}")
+                         f"the {replicas} replicas (--workers x --devices-per-worker)")
     if not contenders_lib.model_available(model):
         print(f"[{model}] skipped: {spec.module} does not exist yet", file=sys.stderr)
         return None
@@ -649,6 +663,7 @@ def run_model(options, model, mode, why, argv):
                     "description": description,
                     "fallback_reason": why if mode == "loopback" else None},
         "config": {"workers": options.workers, "ps": options.ps,
+                   "devices_per_worker": options.devices_per_worker,
                    "global_batch": options.global_batch, "steps": options.steps,
                    "repeats": options.repeats,
                    "steps_per_execution": options.steps_per_execution,

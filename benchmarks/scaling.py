@@ -56,7 +56,6 @@ def _round_up(value, multiple):
 
 def run_all(options):
     """Runs benchmarks.run for every model, W and N; returns the files written."""
-    from benchmarks import run as run_lib  # pylint: disable=import-outside-toplevel
     written = []
     for model in options.models:
         for n in options.steps_per_execution:
@@ -71,11 +70,16 @@ def run_all(options):
                     argv.append("--loopback")
                 if options.link_gbit:
                     argv += ["--link-gbit", str(options.link_gbit)]
-                print(f"[scaling] python -m benchmarks.run {shlex.join(argv)}",
-                      file=sys.stderr, flush=True)
-                run_lib.main(argv)
+                run_benchmark("scaling", argv)
                 written.append(path)
     return written
+
+
+def run_benchmark(tag, argv):
+    """Runs `python -m benchmarks.run ARGV` in this process, saying so on stderr."""
+    from benchmarks import run as run_lib  # pylint: disable=import-outside-toplevel
+    print(f"[{tag}] python -m benchmarks.run {shlex.join(argv)}", file=sys.stderr, flush=True)
+    run_lib.main(argv)
 
 
 # Summary ---------------------------------------------------------------------------

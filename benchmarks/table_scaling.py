@@ -3,7 +3,8 @@
     python -m benchmarks.table_scaling [--json results.json]
 
 For every table size (default 100k, 1M and 4M rows x 64 float32) and optimizer
-(default Keras 3 SGD and Adagrad), starts a local cluster of 2 workers + 2 ps with
+(default Keras 3 SGD and Adagrad; `--optimizers` also takes adam, adamw, ftrl and
+lamb), starts a local cluster of 2 workers + 2 ps with
 `python -m hybrid_strategy.launch` and runs this file as its chief
 (`python -m benchmarks.table_scaling --chief ...`), one cluster per run. The chief
 trains, under `HybridStrategy()`,
@@ -50,8 +51,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM = 64
 SEQUENCE = 20
 TARGET_RATIO = 1.3
-OPTIMIZERS = ("sgd", "adagrad")
-SLOTS = {"sgd": 0, "adagrad": 1}  # table-sized optimizer slots (Keras 3 defaults)
+OPTIMIZERS = ("sgd", "adagrad")  # run by default
+# Keras 3 optimizers a run may use (lazy updates): class name, table-sized slots.
+CHOICES = {"sgd": ("SGD", 0), "adagrad": ("Adagrad", 1), "adam": ("Adam", 2),
+           "adamw": ("AdamW", 2), "ftrl": ("Ftrl", 2), "lamb": ("Lamb", 2)}
 # HYBRID_STRATEGY_SERVER_PIDS lists the servers in task order: workers, then ps.
 SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"
 _RESULT_PREFIX = "table_scaling result: "
@@ -143,9 +146,8 @@ def run_chief(options):
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(1),
         ])
-        optimizer = {"sgd": keras.optimizers.SGD,
-                     "adagrad": keras.optimizers.Adagrad}[options.optimizer](
-                         learning_rate=0.01)
+        optimizer = getattr(keras.optimizers, CHOICES[options.optimizer][0])(
+            learning_rate=0.01)
         model.compile(optimizer=optimizer, loss="mse", steps_per_execution=1)
     build_seconds = time.perf_counter() - build_start
     memory_built = memory()
@@ -170,7 +172,7 @@ def run_chief(options):
                            if r.path.endswith("embedding/embeddings")).placement.shards),
         # What each ps must hold: its rows of the table, and as many of every slot.
         "table_and_slots_mib_per_ps": [
-            nbytes * (1 + SLOTS[options.optimizer]) / 2 ** 20
+            nbytes * (1 + CHOICES[options.optimizer][1]) / 2 ** 20
             for nbytes in strategy.placement.bytes_per_ps_task(options.ps)],
         "distinct_ids_per_step": statistics.mean(distinct),
         "median_step_ms": 1000 * statistics.median(measured),
@@ -371,7 +373,7 @@ def parse(argv):
     parser.add_argument("--rows", default="100000,1000000,4000000",
                         help="comma-separated table sizes (default %(default)s)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                        help="comma-separated, from sgd,adagrad (default %(default)s)")
+                        help=f"comma-separated, from {','.join(CHOICES)} (default %(default)s)")
     parser.add_argument("--steps", type=int, default=100, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=10,
                         help="steps before measuring; the first traces (default %(default)s)")
@@ -395,9 +397,9 @@ def parse(argv):
         parser.error(f"--rows must be comma-separated integers, got {options.rows!r}")
     options.optimizer_list = [o.strip().lower() for o in options.optimizers.split(",")
                               if o.strip()]
-    unknown = sorted(set(options.optimizer_list) - set(OPTIMIZERS))
+    unknown = sorted(set(options.optimizer_list) - set(CHOICES))
     if unknown:
-        parser.error(f"unknown optimizer(s) {unknown}; choose from {','.join(OPTIMIZERS)}")
+        parser.error(f"unknown optimizer(s) {unknown}; choose from {','.join(CHOICES)}")
     if not options.rows_list or min(options.rows_list) < 1:
         parser.error("--rows needs at least one positive size")
     if options.steps < 1 or options.warmup < 1:

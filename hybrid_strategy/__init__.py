@@ -21,12 +21,13 @@ _EXPORTS = {
     "ClusterConfig": "hybrid_strategy.cluster",
     "ClusterConfigError": "hybrid_strategy.cluster",
     "EXIT_TASK_LOST": "hybrid_strategy.cluster",
+    "data_service_address": "hybrid_strategy.data_service",
     "TaskUnreachableError": "hybrid_strategy.cluster",
     "Placement": "hybrid_strategy.placement",
     "PlacementPlan": "hybrid_strategy.placement",
     "Shard": "hybrid_strategy.placement",
     "HybridStrategy": "hybrid_strategy.strategy",
-    "PlacementWarning": "hybrid_strategy.strategy",
+    "PlacementWarning": "hybrid_strategy.placement",
     "UnsupportedOptimizerError": "hybrid_strategy.sparse_optimizers",
 }
 

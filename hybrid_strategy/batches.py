@@ -1,38 +1,64 @@
-"""Global batches split over replicas: training steps Keras would get wrong are refused.
+"""Global batches split over replicas: any split trains as one device on the global batch.
 
-Keras computes a mean loss ("sum_over_batch_size", the reduction of every built-in
-loss) on each replica as the mean over that replica's examples divided by the
-number of replicas. Summed over the replicas, that is the mean over the global
-batch only if every replica got as many examples as the others. A global batch
-that does not split evenly (a final partial batch; a global batch smaller than
-the number of replicas, which leaves some without examples) would take another
-step than one device does on it, so a training step with a mean loss checks that
-the split was even and fails with a clear error otherwise. Sum losses are exact
-whatever the split, and `evaluate` weights each replica's mean by its number of
-examples, so neither is checked. An empty dataset, and a dataset whose batches are
-smaller than the number of replicas, are refused before they are used (an empty one
-that tf.data cannot tell from its definition, when Keras 3 reads its first batch).
+A step's global batch reaches the replicas split by rows, evenly or not: an odd batch
+size, a final partial batch, or a batch smaller than the number of replicas (some
+replicas then get no rows). Keras makes each replica's loss its mean over its own rows
+divided by the number of replicas N, which adds up to the global mean only when every
+replica holds B/N of the B rows (tf.distribute.MirroredStrategy trains so). Under a
+HybridStrategy, replica r's share is weighted by w_r = n_r / B instead, n_r being its
+rows and B the global batch (both read from the shapes of the step's per-replica
+inputs, however they were made):
+
+- a mean over the replica's rows (a mean loss, an activity regularizer: Keras divides
+  it by the batch size) times w_r adds up over the replicas to the global batch's mean;
+- a term every replica computes alike (a weight penalty) adds up to itself (the w_r add
+  up to 1);
+- a mean whose divisor depends on the data (masked elements, whose count Keras divides
+  by, or the sum of sample weights of reduction "mean_with_sample_weight") divides the
+  replica's sum by the global divisor: its replicas' divisors summed by one scalar
+  all-reduce;
+- a sum loss adds up as it is.
+
+So the summed gradient is one device's. The logged loss is too: Keras weights each
+replica's loss by n_r in its loss tracker, after multiplying it by N (Keras 3) or as is
+(tf_keras); it is divided by w_r instead, and a tf_keras sum loss is passed through as
+a mean loss of that value. Metrics add up their state over the replicas (`PackedLogs`
+in multi_step.py reads it). A replica with no rows has weight 0: Keras' mean reductions
+divide with `divide_no_nan`, so it adds nothing.
+
+A replica with no rows runs every op of the step on zero rows. Two kinds of layer cannot:
+- BatchNormalization computing statistics per replica (`synchronized=False`): over zero
+  rows they are NaN (Keras 3), which would spoil every weight through the gradient; it
+  gets a clear error suggesting `synchronized=True`, whose statistics are the global
+  batch's, exact whatever the split (tf_keras sets their update aside on an empty
+  replica, as under MirroredStrategy; its synchronized layer then updates on every
+  replica, for the moving statistics to come out as one device's);
+- convolutions on CPU: TensorFlow 2.21's oneDNN kernels return their input unchanged for
+  zero rows (a wrong shape that fails later, in another op); they get a clear error.
+
+An empty dataset is refused before it is used (one that tf.data cannot tell empty from
+its definition, when Keras 3 reads its first batch).
 """
 
 import os
+import threading
 
 import tensorflow as tf
 
-# TF-private: `compute_batch_size` reads a dataset's batch size from its graph, as
-# tf.distribute does to split it; `record.could_possibly_record` tells a training
-# step (a gradient tape is recording) from evaluation.
-from tensorflow.python.data.experimental.ops import distribute as data_distribute
-from tensorflow.python.eager import record
-
-# Keras 3's mean reductions (keras.src.losses.loss.reduce_values).
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+# Set while Keras 3 computes a compiled loss, in the thread tracing a replica.
+_per_output_losses = threading.local()
+_PER_REPLICA_STATISTICS = (
+    "BatchNormalization layer {} computes its statistics per replica (synchronized="
+    "False): over zero rows they are NaN, and would spoil every weight. Use "
+    "BatchNormalization(synchronized=True): its statistics are those of the global "
+    "batch, whatever the split (training then equals that on one device).")
 _EMPTY = ("HybridStrategy: the dataset is empty (no batch to train, evaluate or predict "
           "on). Check the files or arrays it reads, and filters or `take`/`skip` that may "
           "drop every example.")
 
 
 def replica_batch_sizes(args, kwargs, num_replicas):
-    """Each replica's number of examples in a step's per-replica inputs, or None.
+    """Each replica's number of rows in a step's per-replica inputs, or None.
 
     Read from the first per-replica tensor of rank >= 1, on its own device.
     """
@@ -50,21 +76,10 @@ def replica_batch_sizes(args, kwargs, num_replicas):
     return None
 
 
-def check_dataset(dataset, num_replicas):
-    """Refuses an empty dataset, and global batches smaller than the replicas.
-
-    Keras would stop on an empty dataset with a bare StopIteration; a global batch
-    smaller than the replicas leaves some without examples in every step.
-    """
+def check_dataset(dataset):
+    """Refuses an empty dataset: Keras would stop on it with a bare StopIteration."""
     if int(dataset.cardinality()) == 0:
         raise ValueError(_EMPTY)
-    batch_size = int(data_distribute.compute_batch_size(dataset))  # -1: unknown
-    if 0 < batch_size < num_replicas:
-        raise ValueError(
-            f"HybridStrategy: the dataset's batches hold {batch_size} example(s), fewer "
-            f"than the {num_replicas} replicas, so some replicas would get no examples "
-            "in every step. Batch the dataset with the global batch size (a multiple "
-            f"of {num_replicas}): each replica gets an equal share of each batch.")
 
 
 def _step_sizes():
@@ -74,23 +89,34 @@ def _step_sizes():
     return getattr(tf.distribute.get_strategy().extended, "step_batch_sizes", None)
 
 
-def checked_split(values):
-    """`values` (per-example losses), after checking the step split its batch evenly."""
+def replica_weight(dtype):
+    """This replica's share n_r / B of the step's global batch, or None outside a step
+    whose inputs were split over several replicas."""
     sizes = _step_sizes()
-    if sizes is None or not record.could_possibly_record():
-        return values
-    stacked = tf.stack(sizes)
-    even = tf.reduce_all(tf.equal(stacked, sizes[0]))
-    check = tf.debugging.Assert(even, [
-        f"HybridStrategy: this training step split its global batch unevenly over "
-        f"the {len(sizes)} replicas (examples per replica:", stacked, "). With a mean "
-        "loss (reduction 'sum_over_batch_size', the default), Keras divides each "
-        "replica's mean by the number of replicas, so the update would differ from "
-        "one device's on the same batch. Use a global batch size that is a multiple "
-        "of the number of replicas and batch with drop_remainder=True (or pass "
-        "steps_per_epoch), or use a loss with reduction='sum'."])
-    with tf.control_dependencies([check]):
-        return tf.identity(values)
+    if sizes is None:
+        return None
+    return tf.math.divide_no_nan(tf.cast(sizes[_replica()], dtype),
+                                 tf.cast(tf.add_n(sizes), dtype))
+
+
+def _replica():
+    """The index of the replica being traced."""
+    return tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+
+
+def _global_sum(value):
+    """`value` summed over the replicas of the step (a scalar divisor, no gradient).
+
+    Each replica launches its part of the all-reduce itself: with `merge_call` the other
+    replicas' threads would run in between, and Keras keeps the losses layers add
+    (activity regularizers) in the layer objects, for one thread at a time.
+    """
+    context = tf.distribute.get_replica_context()
+    extended = context.strategy.extended
+    # TF-private: one replica's all-reduce, as MirroredStrategy launches it under XLA.
+    return extended._get_cross_device_ops(value)._all_reduce(  # pylint: disable=protected-access
+        tf.distribute.ReduceOp.SUM, tf.stop_gradient(value),
+        context._replica_id, extended._communication_options)  # pylint: disable=protected-access
 
 
 def legacy_keras():
@@ -102,55 +128,254 @@ def legacy_keras():
     return None
 
 
+def _replace(owner, name, make):
+    """Sets `owner.name` (of a module or class) to `make(original)`, once."""
+    original = getattr(owner, name)
+    if not getattr(original, "_hybrid_batches", False):
+        replacement = make(original)
+        replacement._hybrid_batches = True
+        setattr(owner, name, replacement)
+
+
+def _scale(original):
+    def scale_by_replica_weight(value):
+        weight = replica_weight(value.dtype)
+        return original(value) if weight is None else value * weight
+    return scale_by_replica_weight
+
+
+def _with_rows(tensor, problem):
+    """`tensor`, checked to have rows when it runs (in a step split over replicas).
+
+    `problem` says why it must (no apostrophes: TensorFlow escapes them in the message).
+    """
+    sizes = _step_sizes()
+    if sizes is None:
+        return tensor
+    check = tf.debugging.Assert(tf.shape(tensor)[0] > 0, [
+        f"HybridStrategy: a replica got no rows in this step (a global batch of fewer rows "
+        f"than the {len(sizes)} replicas, often the last one), and {problem} Make every "
+        f"global batch at least {len(sizes)} rows: batch with drop_remainder=True, or "
+        "choose a batch size (and, for predict, a number of examples) whose last batch "
+        "is that large."])
+    # A control input of the consumer: TensorFlow still fuses it with its neighbours.
+    with tf.control_dependencies([check]):
+        return tf.identity(tensor)
+
+
 def install_keras_hooks(applies):
-    """Makes Keras 3's and tf_keras' mean loss reductions call `checked_split`, and
-    Keras 3's first read of a dataset refuse one found empty while `applies(strategy)`."""
-    # Keras-private: the function that reduces per-example losses (Keras 3), and the
-    # trainer whose build reads a first batch outside its guard against running out.
+    """Makes Keras 3 and tf_keras (if `tf.keras` is it) weight replicas by their rows.
+
+    Also makes Keras 3's first read of a dataset take shapes from one replica's batch
+    (Keras adds the replicas' batches up, which fails when they differ in size) and
+    refuse a dataset found empty, while `applies(strategy)`; and refuses empty replicas
+    where layers cannot take them.
+    """
+    _install_keras3(applies)
+    _install_convolution_checks()
+    legacy = legacy_keras()
+    if legacy is not None:
+        _install_tf_keras()
+
+
+def _install_convolution_checks():
+    # TF-private: the raw convolution ops every Keras convolution layer (and tf.nn's
+    # convolutions) ends in; TensorFlow has no public hook on them.
+    from tensorflow.python.ops import gen_nn_ops
+
+    problem = ("the oneDNN convolutions of TensorFlow 2.21 on CPU return a wrong shape for "
+               "zero rows.")
+
+    def make_checked(convolution):
+        def convolution_of_rows(input, *args, **kwargs):  # pylint: disable=redefined-builtin
+            if _on_cpu_replica():
+                input = _with_rows(input, problem)
+            return convolution(input, *args, **kwargs)
+        return convolution_of_rows
+
+    for name in ("conv2d", "conv3d", "depthwise_conv2d_native"):
+        _replace(gen_nn_ops, name, make_checked)
+
+
+def _on_cpu_replica():
+    if _step_sizes() is None:
+        return False
+    device = tf.distribute.get_strategy().extended.worker_devices[_replica()]
+    return tf.DeviceSpec.from_string(device).device_type == "CPU"
+
+
+def _install_keras3(applies):
+    # Keras-private: the functions that reduce and scale losses for a strategy (Keras 3
+    # has no public way to change them), and the trainer whose build reads a first batch.
     from keras.src.backend.tensorflow import trainer as keras_trainer
     from keras.src.losses import loss as keras_loss
 
     trainer_class = keras_trainer.TensorFlowTrainer
-    if not getattr(trainer_class._maybe_symbolic_build, "_checks_empty", False):
-        symbolic_build = trainer_class._maybe_symbolic_build
 
-        def symbolic_build_refusing_empty(self, iterator=None, data_batch=None):
-            try:
+    def make_symbolic_build(symbolic_build):
+        def symbolic_build_from_one_replica(self, iterator=None, data_batch=None):
+            if iterator is None or not applies(self.distribute_strategy):
                 return symbolic_build(self, iterator=iterator, data_batch=data_batch)
-            except StopIteration:
-                # A dataset tf.data could not tell empty from its definition (a filter
-                # that drops every example): Keras would end fit with a bare StopIteration.
-                if applies(self.distribute_strategy):
+            for _, _, batches in iterator:
+                try:
+                    data_batch = tf.nest.map_structure(_batch_spec, next(batches))
+                except StopIteration:
+                    # A dataset tf.data could not tell empty from its definition (a
+                    # filter that drops every example).
                     raise ValueError(_EMPTY) from None
-                raise
+                break
+            return symbolic_build(self, data_batch=data_batch)
+        return symbolic_build_from_one_replica
 
-        symbolic_build_refusing_empty._checks_empty = True
-        trainer_class._maybe_symbolic_build = symbolic_build_refusing_empty
+    _replace(trainer_class, "_maybe_symbolic_build", make_symbolic_build)
+    _replace(keras_loss, "scale_loss_for_distribution", _scale)
 
-    if not getattr(keras_loss.reduce_values, "_checks_split", False):
-        reduce_values = keras_loss.reduce_values
+    def make_unscale(original):
+        def unscale_by_replica_weight(value):
+            weight = replica_weight(value.dtype)
+            if weight is None or getattr(_per_output_losses, "active", False):
+                return original(value)
+            return tf.math.divide_no_nan(value, weight)
+        return unscale_by_replica_weight
 
-        def reduce_values_checking_split(values, sample_weight=None,
-                                         reduction="sum_over_batch_size"):
-            if reduction in _MEAN_REDUCTIONS:
-                values = checked_split(values)
-            return reduce_values(values, sample_weight, reduction)
+    _replace(keras_loss, "unscale_loss_for_distribution", make_unscale)
 
-        reduce_values_checking_split._checks_split = True
-        keras_loss.reduce_values = reduce_values_checking_split
-    if legacy_keras() is None:
-        return
-    # tf_keras-private: its counterpart.
+    # Keras-private: the compiled loss, whose per-output loss trackers Keras weights by
+    # a static batch size: that of a split batch is unknown (weight 1 for each replica's
+    # value), or its split even; either way the replicas' losses times N add up exactly.
+    from keras.src.trainers import compile_utils
+
+    def make_compiled_loss(call):
+        def call_unscaling_by_replicas(self, *args, **kwargs):
+            _per_output_losses.active = True
+            try:
+                return call(self, *args, **kwargs)
+            finally:
+                _per_output_losses.active = False
+        return call_unscaling_by_replicas
+
+    _replace(compile_utils.CompileLoss, "call", make_compiled_loss)
+
+    def make_reduce(original):
+        def reduce_over_the_global_batch(values, sample_weight=None, mask=None,
+                                         reduction="sum_over_batch_size", dtype=None):
+            divides_by_data = (
+                (reduction == "mean_with_sample_weight" and sample_weight is not None)
+                or (reduction in ("sum_over_batch_size", "mean") and mask is not None))
+            if not divides_by_data or _step_sizes() is None:
+                return original(values, sample_weight, mask, reduction, dtype)
+            total = original(values, sample_weight, mask, "sum", dtype)
+            divisor = _keras3_divisor(keras_loss, values, sample_weight, mask, reduction,
+                                      total.dtype)
+            return tf.math.divide_no_nan(total, _global_sum(divisor))
+        return reduce_over_the_global_batch
+
+    _replace(keras_loss, "reduce_weighted_values", make_reduce)
+
+    # Keras-private: the layer's statistics of a batch, computed only when training.
+    from keras.src.layers.normalization import batch_normalization
+
+    def make_moments(moments):
+        def moments_of_rows(self, inputs, mask):
+            if not self.synchronized:
+                inputs = _with_rows(inputs, _PER_REPLICA_STATISTICS.format(self.name))
+            return moments(self, inputs, mask)
+        return moments_of_rows
+
+    _replace(batch_normalization.BatchNormalization, "_moments", make_moments)
+
+
+def _batch_spec(value):
+    """A batch's element as Keras' build sees it: one replica's part, any number of rows."""
+    if not isinstance(value, tf.distribute.DistributedValues):
+        return value
+    part = value.values[0]
+    if isinstance(part, tf.Tensor) and part.shape.rank:
+        return tf.TensorSpec([None] + part.shape[1:], part.dtype)
+    return part
+
+
+def _keras3_divisor(keras_loss, values, sample_weight, mask, reduction, dtype):
+    """What Keras 3's `reduce_weighted_values` divides this replica's sum by."""
+    values = tf.convert_to_tensor(values, dtype)
+    if reduction == "mean_with_sample_weight":
+        weight = keras_loss.apply_mask(tf.cast(sample_weight, dtype),
+                                       None if mask is None else tf.cast(mask, dtype),
+                                       dtype=dtype, reduction=reduction)
+        _, weight = keras_loss.squeeze_or_expand_to_same_rank(values, weight)
+        return tf.reduce_sum(weight)
+    # Keras weights each unmasked element by size(mask) / count(unmasked).
+    mask = tf.cast(mask, dtype)
+    return tf.math.divide_no_nan(tf.reduce_sum(mask) * tf.cast(tf.size(values), dtype),
+                                 tf.cast(tf.size(mask), dtype))
+
+
+def _install_tf_keras():
+    # tf_keras-private: its counterparts, and the container that computes a compiled loss.
+    from tf_keras.src.engine import compile_utils
     from tf_keras.src.utils import losses_utils
 
-    if not getattr(losses_utils.reduce_weighted_loss, "_checks_split", False):
-        reduce_weighted_loss = losses_utils.reduce_weighted_loss
-        mean = losses_utils.ReductionV2.SUM_OVER_BATCH_SIZE
+    mean = losses_utils.ReductionV2.SUM_OVER_BATCH_SIZE
+    _replace(losses_utils, "scale_loss_for_distribution", _scale)
 
-        def reduce_weighted_loss_checking_split(weighted_losses, reduction=mean):
-            if reduction == mean:
-                weighted_losses = checked_split(weighted_losses)
-            return reduce_weighted_loss(weighted_losses, reduction)
+    def make_apply_valid_mask(original):
+        def apply_global_valid_mask(losses, sw, mask, reduction):
+            weight = replica_weight(losses.dtype) if mask is not None else None
+            if weight is None or reduction not in (mean, losses_utils.ReductionV2.AUTO):
+                return original(losses, sw, mask, reduction)
+            # tf_keras weights unmasked elements by size / count(unmasked) on one
+            # device; the replica's mean is then weighted by w_r.
+            mask = tf.cast(mask, losses.dtype)
+            valid = _global_sum(tf.reduce_sum(mask))
+            size = tf.cast(tf.size(mask), losses.dtype)
+            return losses_utils.apply_mask(
+                losses, sw, mask * tf.math.divide_no_nan(size, valid * weight))
+        return apply_global_valid_mask
 
-        reduce_weighted_loss_checking_split._checks_split = True
-        losses_utils.reduce_weighted_loss = reduce_weighted_loss_checking_split
+    _replace(losses_utils, "apply_valid_mask", make_apply_valid_mask)
+
+    def make_call(original):
+        def call_with_sums_as_means(self, y_true, y_pred, *args, **kwargs):
+            if _step_sizes() is None:
+                return original(self, y_true, y_pred, *args, **kwargs)
+            if not self._built:
+                self.build(y_pred)
+            # tf_keras multiplies a sum loss by N for its tracker and leaves it unscaled
+            # for the gradient: as a mean loss of sum / w_r, both come out exact.
+            losses = self._losses
+            self._losses = [_SumAsMean(loss, mean) if getattr(loss, "reduction", None)
+                            == losses_utils.ReductionV2.SUM else loss for loss in losses]
+            try:
+                return original(self, y_true, y_pred, *args, **kwargs)
+            finally:
+                self._losses = losses
+        return call_with_sums_as_means
+
+    _replace(compile_utils.LossesContainer, "__call__", make_call)
+
+    # tf_keras-private: whether its BatchNormalization sets aside the update of an
+    # empty replica. A synchronized layer has the global batch's statistics on every
+    # replica, so every replica's update is the same (their mean is one device's).
+    from tf_keras.src.layers.normalization import batch_normalization
+
+    def make_support(original):
+        def support_zero_size_input(self):
+            if self.synchronized and _step_sizes() is not None:
+                return False
+            return original(self)
+        return support_zero_size_input
+
+    _replace(batch_normalization.BatchNormalizationBase, "_support_zero_size_input",
+             make_support)
+
+
+class _SumAsMean:
+    """A tf_keras sum loss presented as a mean loss whose replica value is sum / w_r."""
+
+    def __init__(self, loss, reduction):
+        self._loss = loss
+        self.reduction = reduction
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = self._loss(y_true, y_pred, sample_weight=sample_weight)
+        return tf.math.divide_no_nan(value, replica_weight(value.dtype))

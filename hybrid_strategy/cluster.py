@@ -221,7 +221,7 @@ def probe(address: str, timeout: float) -> str | None:
     loopback. A TCP connection alone proves nothing: the kernel completes it for a stopped or
     hung process, and for any program that happens to listen on the port.
     """
-    host, port = _split_address(address)
+    host, port = split_address(address)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except socket.timeout:
@@ -276,8 +276,9 @@ def tasks_named_in(config: ClusterConfig, text: str) -> list:
 
 
 def describe_tasks(tasks) -> str:
-    """One indented line per ((job, index, address), why): device, address and why."""
-    return "\n".join(f"  {_device(job, index)} at {address} ({why})"
+    """One indented line per ((job, index, address), why): device, address and why (a
+    service that is no task has index None, and its name as job)."""
+    return "\n".join(f"  {job if index is None else _device(job, index)} at {address} ({why})"
                      for (job, index, address), why in tasks)
 
 
@@ -350,7 +351,7 @@ def _checked_addresses(job: str, addresses) -> tuple[str, ...]:
             f'job "{job}" must be a non-empty list of "host:port" strings, got {addresses!r}.'
         )
     for index, address in enumerate(addresses):
-        if _split_address(address) is None:
+        if split_address(address) is None:
             raise ClusterConfigError(
                 f'job "{job}" task {index} has address "{address}", which is not "host:port" '
                 'with an integer port from 1 to 65535; write it like "10.0.0.1:2222".'
@@ -404,7 +405,7 @@ def _dense_addresses(job, tasks):
     return [tasks[i] for i in indices]
 
 
-def _split_address(address: str) -> tuple[str, int] | None:
+def split_address(address: str) -> tuple[str, int] | None:
     """(host, port) for "host:port" or "[ipv6]:port"; None when malformed."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:

@@ -4,9 +4,11 @@
 
 Every worker and ps task runs `python -m hybrid_strategy.server`; the command after `--` runs
 as the chief, with TF_CONFIG naming task chief/0 of that cluster and HYBRID_STRATEGY_SERVER_PIDS
-listing the server process ids. The launcher exits with the chief's exit code (128 + signal
-number if a signal killed it) and leaves no server behind, whether the chief succeeds, fails or
-is interrupted. With `--max-restarts N` it starts a fresh cluster and runs the chief again after
+listing the server process ids. `--devices-per-worker N` gives every worker N CPU devices (N
+replicas); `--data-service-workers N` also starts a tf.data service dispatcher and N tf.data
+service workers, and passes the dispatcher's address in HYBRID_STRATEGY_DATA_SERVICE. The
+launcher exits with the chief's exit code (128 + signal number if a signal killed it) and
+leaves no server behind, whether the chief succeeds, fails or is interrupted. With `--max-restarts N` it starts a fresh cluster and runs the chief again after
 a retryable failure (exit code 75, a dead server, a chief killed by a signal), up to N times.
 All of them run in a network namespace of their own whose only interface is loopback
 (`--network host`: this machine's network), since TensorFlow's servers listen on every
@@ -32,6 +34,7 @@ import sys
 import time
 
 from hybrid_strategy import cluster as cluster_lib
+from hybrid_strategy import data_service
 from hybrid_strategy import server as server_lib
 
 SERVER_PIDS_ENV = "HYBRID_STRATEGY_SERVER_PIDS"
@@ -103,7 +106,11 @@ class LocalCluster:
     again on fresh ports, up to 3 times); leaving stops them (SIGTERM, then SIGKILL after 5 s), also
     on error and at interpreter exit. `env` holds extra environment variables for the servers
     (merged over os.environ); `quiet=False` lets their output through and lists the servers
-    on stderr once they serve. On Linux the servers
+    on stderr once they serve. `devices_per_worker` CPU devices on each worker make as many
+    replicas of it (`python -m hybrid_strategy.server --cpu-devices`);
+    `data_service_workers` > 0 also starts a tf.data service dispatcher and that many
+    tf.data service workers (hybrid_strategy.data_service), whose address `chief_environ`
+    passes on. On Linux the servers
     are killed if this process dies; the kernel ties them to the *thread* that starts them,
     so start the cluster from a thread that outlives it (e.g. the main thread).
 
@@ -113,26 +120,32 @@ class LocalCluster:
     afresh (see hybrid_strategy.server), and the next chief waits for them.
     """
 
-    def __init__(self, workers=2, ps=1, *, host="127.0.0.1", startup_timeout=60.0, env=None,
-                 quiet=True):
+    def __init__(self, workers=2, ps=1, *, devices_per_worker=1, data_service_workers=0,
+                 host="127.0.0.1", startup_timeout=60.0, env=None, quiet=True):
         _check_count("workers", workers, minimum=1)
         _check_count("ps", ps, minimum=0)
+        _check_count("devices_per_worker", devices_per_worker, minimum=1)
+        _check_count("data_service_workers", data_service_workers, minimum=0)
         if not isinstance(startup_timeout, (int, float)) or startup_timeout <= 0:
             raise ValueError(
                 f"startup_timeout must be a positive number of seconds, got {startup_timeout!r}."
             )
         self.workers, self.ps, self.host = workers, ps, host
+        self.devices_per_worker = devices_per_worker
+        self.data_service_workers = data_service_workers
+        self.data_service_dispatcher: str | None = None  # "host:port" once started
         self.startup_timeout = startup_timeout
         self.quiet = quiet
         self._env = dict(env or {})
         self.config: cluster_lib.ClusterConfig | None = None
         self.processes: list[subprocess.Popen] = []
-        self._tasks: list[tuple[str, int]] = []  # (job, index) of each process
+        self._servers: list[tuple[str, str]] = []  # (name, address) of each process
         self.startup_seconds: float | None = None
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the servers, in task order (workers, then ps)."""
+        """Process ids of the servers, in task order (workers, then ps, then the tf.data
+        service's dispatcher and workers)."""
         return [process.pid for process in self.processes]
 
     @property
@@ -141,10 +154,13 @@ class LocalCluster:
         return self._started_config().to_tf_config("chief", 0)
 
     def chief_environ(self, base=None) -> dict[str, str]:
-        """`base` (default os.environ) plus the chief's TF_CONFIG and the server pids."""
+        """`base` (default os.environ) plus the chief's TF_CONFIG, the server pids and the
+        tf.data service dispatcher's address, if there is one."""
         environ = _with_package_path(dict(os.environ if base is None else base))
         environ["TF_CONFIG"] = self.chief_tf_config
         environ[SERVER_PIDS_ENV] = ",".join(str(pid) for pid in self.pids)
+        if self.data_service_dispatcher:
+            environ[data_service.DATA_SERVICE_ENV] = f"grpc://{self.data_service_dispatcher}"
         return environ
 
     def start(self) -> "LocalCluster":
@@ -161,26 +177,60 @@ class LocalCluster:
                     raise
         self.startup_seconds = time.monotonic() - started
         if not self.quiet:
-            for (job, index), process in zip(self._tasks, self.processes):
-                print(f"{_PREFIX} {self.config.device(job, index)} on "
-                      f"{self.config.address(job, index)}, pid {process.pid}", file=sys.stderr)
+            for (name, address), process in zip(self._servers, self.processes):
+                print(f"{_PREFIX} {name} on {address}, pid {process.pid}", file=sys.stderr)
         return self
 
     def _start_servers(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         self.config = _local_config(self.workers, self.ps, self.host)
-        self.processes, self._tasks = [], []
+        self.processes, self._servers = [], []
         atexit.register(self.close)
         try:
-            for job, index, _ in self.config.tasks():
+            for job, index, address in self.config.tasks():
                 if job != "chief":
-                    self.processes.append(self._start_server(job, index))
-                    self._tasks.append((job, index))
+                    devices = (["--cpu-devices", str(self.devices_per_worker)]
+                               if job == "worker" and self.devices_per_worker > 1 else [])
+                    self._start_server(
+                        self.config.device(job, index), address,
+                        [sys.executable, "-m", "hybrid_strategy.server", *devices],
+                        TF_CONFIG=self.config.to_tf_config(job, index))
+            self._start_data_service()
             cluster_lib.wait_for_tasks(
                 self.config, max(timeout, 0.1), check=self._raise_if_server_exited
             )
+            self._wait_for_data_service(deadline)
         except BaseException:
             self.close()
             raise
+
+    def _start_data_service(self) -> None:
+        """A tf.data service dispatcher and its workers, if asked for, on ports of their own."""
+        if not self.data_service_workers:
+            return
+        taken = [int(address.rsplit(":", 1)[1]) for _, _, address in self.config.tasks()]
+        ports = _distinct_free_ports(1 + self.data_service_workers, self.host, taken)
+        self.data_service_dispatcher = f"{self.host}:{ports[0]}"
+        self._start_server("tf.data service dispatcher", self.data_service_dispatcher,
+                           data_service.server_argv("dispatcher", ports[0]))
+        for index, port in enumerate(ports[1:]):
+            self._start_server(
+                f"tf.data service worker {index}", f"{self.host}:{port}",
+                data_service.server_argv("worker", port, self.data_service_dispatcher))
+
+    def _wait_for_data_service(self, deadline: float) -> None:
+        """Waits until the tf.data service's servers answer as gRPC servers."""
+        for name, address in self._servers:
+            if not name.startswith("tf.data"):
+                continue
+            while (problem := cluster_lib.probe(address, 1.0)) is not None:
+                self._raise_if_server_exited()
+                if time.monotonic() > deadline:
+                    raise cluster_lib.TaskUnreachableError(
+                        f"{name} at {address} did not answer within {self.startup_timeout:g} "
+                        f"s ({problem}); run with quiet=False (launcher: --verbose) to see "
+                        "its output.")
+                time.sleep(0.2)
 
     def close(self) -> None:
         """Stops every server still running and reaps it; safe to call more than once."""
@@ -210,42 +260,43 @@ class LocalCluster:
             )
         return self.config
 
-    def _start_server(self, job: str, index: int) -> subprocess.Popen:
+    def _start_server(self, name: str, address: str, argv: list[str], **extra_env) -> None:
+        """Starts one server process; `name` and `address` describe it in messages."""
         output = subprocess.DEVNULL if self.quiet else None
-        return subprocess.Popen(
-            [sys.executable, "-m", "hybrid_strategy.server"],
-            env=self._server_environ(job, index),
+        self._servers.append((name, address))
+        self.processes.append(subprocess.Popen(
+            argv, env=self._server_environ(extra_env),
             stdin=subprocess.DEVNULL, stdout=output, stderr=output,
             # Own session: a Ctrl-C meant for the chief does not hit the servers, which
             # the launcher stops itself, in order.
             start_new_session=True,
             preexec_fn=_die_with_parent(signal.SIGKILL),
-        )
+        ))
 
-    def _server_environ(self, job: str, index: int) -> dict[str, str]:
+    def _server_environ(self, extra: dict[str, str]) -> dict[str, str]:
         environ = dict(os.environ)
         environ.update(self._env)
         # The package's __init__ imports TensorFlow before server.py can set this itself.
         environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        environ["TF_CONFIG"] = self.config.to_tf_config(job, index)
+        environ.pop("TF_CONFIG", None)
+        environ.update(extra)
         return _with_package_path(environ)
 
     def exited_servers(self) -> list[str]:
         """One description per server that has exited, e.g. "server /job:ps/task:0 (pid 7)
         was killed by SIGKILL"."""
-        return [f"server {self.config.device(job, index)} (pid {process.pid}) "
-                f"{_describe_exit(process.poll())}"
-                for (job, index), process in zip(self._tasks, self.processes)
+        return [f"server {name} (pid {process.pid}) {_describe_exit(process.poll())}"
+                for (name, _), process in zip(self._servers, self.processes)
                 if process.poll() is not None]
 
     def _raise_if_server_exited(self) -> None:
-        for (job, index), process in zip(self._tasks, self.processes):
+        for (name, _), process in zip(self._servers, self.processes):
             code = process.poll()
             if code is not None:
                 hint = ("run with quiet=False (launcher: --verbose) to see its output"
                         if self.quiet else "its output is above")
                 raise ServerStartError(
-                    f"server {self.config.device(job, index)} (pid {process.pid}) "
+                    f"server {name} (pid {process.pid}) "
                     f"{_describe_exit(code)} while the cluster was starting; {hint}.",
                     code,
                 )
@@ -268,11 +319,11 @@ def _local_config(workers: int, ps: int, host: str) -> cluster_lib.ClusterConfig
     return cluster_lib.ClusterConfig(cluster, "chief", 0)
 
 
-def _distinct_free_ports(count: int, host: str) -> list[int]:
+def _distinct_free_ports(count: int, host: str, taken=()) -> list[int]:
     ports: list[int] = []
     while len(ports) < count:
         port = cluster_lib.free_port(host)
-        if port not in ports:
+        if port not in ports and port not in taken:
             ports.append(port)
     return ports
 
@@ -383,7 +434,10 @@ def _launch(options, command: list[str]) -> int:
 def _launch_once(options, command: list[str], restart: int):
     """(exit status, why to restart or None) of one run of the cluster and the chief."""
     try:
-        with LocalCluster(options.workers, options.ps, startup_timeout=options.startup_timeout,
+        with LocalCluster(options.workers, options.ps,
+                          devices_per_worker=options.devices_per_worker,
+                          data_service_workers=options.data_service_workers,
+                          startup_timeout=options.startup_timeout,
                           quiet=not options.verbose) as local:
             _report_ready(local, command)
             try:
@@ -478,8 +532,14 @@ def _sent_by_terminal(signum: int) -> bool:
 
 
 def _report_ready(local: LocalCluster, command: list[str]) -> None:
-    workers = f"{local.workers} worker{'s' if local.workers != 1 else ''}"
-    print(f"{_PREFIX} {workers} + {local.ps} ps on {local.host} ready in "
+    servers = f"{local.workers} worker{'s' if local.workers != 1 else ''}"
+    if local.devices_per_worker > 1:
+        servers += f" x {local.devices_per_worker} devices"
+    servers += f" + {local.ps} ps"
+    if local.data_service_workers:
+        servers += (f" + a tf.data service dispatcher and {local.data_service_workers} "
+                    f"tf.data service worker{'s' if local.data_service_workers != 1 else ''}")
+    print(f"{_PREFIX} {servers} on {local.host} ready in "
           f"{local.startup_seconds:.1f} s; running: {shlex.join(command)}",
           file=sys.stderr, flush=True)
 
@@ -489,12 +549,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m hybrid_strategy.launch",
         description="Start worker and ps servers on this machine, run COMMAND as the chief "
                     "with TF_CONFIG set, then stop the servers. Exits with COMMAND's exit code.",
-        usage="%(prog)s [--workers N] [--ps N] [--startup-timeout S] [--max-restarts N] "
+        usage="%(prog)s [--workers N] [--ps N] [--devices-per-worker N] "
+              "[--data-service-workers N] [--startup-timeout S] [--max-restarts N] "
               "[--network private|host] [--verbose] -- COMMAND ...",
         epilog="example: %(prog)s --workers 2 --ps 1 -- python train.py --epochs 3",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2)")
     parser.add_argument("--ps", type=int, default=1, help="parameter-server tasks (default 1)")
+    parser.add_argument("--devices-per-worker", type=int, default=1, metavar="N",
+                        help="CPU devices per worker, each a replica of the training step, as "
+                             "the GPUs of a GPU machine (default 1)")
+    parser.add_argument("--data-service-workers", type=int, default=0, metavar="N",
+                        help="also start a tf.data service dispatcher and N tf.data service "
+                             "workers; the chief finds the dispatcher in "
+                             f"{data_service.DATA_SERVICE_ENV} (default 0: none)")
     parser.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
                         help="seconds to wait for every server to answer (default 60)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
@@ -521,6 +589,12 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]):
         parser.error(f"--workers must be at least 1, got {options.workers}")
     if options.ps < 0:
         parser.error(f"--ps must be 0 or more, got {options.ps}")
+    if options.devices_per_worker < 1:
+        parser.error(f"--devices-per-worker must be at least 1, got "
+                     f"{options.devices_per_worker}")
+    if options.data_service_workers < 0:
+        parser.error(f"--data-service-workers must be 0 or more, got "
+                     f"{options.data_service_workers}")
     if options.max_restarts < 0:
         parser.error(f"--max-restarts must be 0 or more, got {options.max_restarts}")
     if options.startup_timeout <= 0:

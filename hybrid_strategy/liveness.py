@@ -44,7 +44,9 @@ class HealthMonitor:
     The monitor probes each task (`probe`: an HTTP/2 exchange, which a stopped or hung
     process cannot complete although its kernel still accepts connections) every
     `interval` seconds and, once a task has not answered for `timeout` seconds, calls
-    `on_failure(message)` once, naming every task lost by then.
+    `on_failure(message)` once, naming every task lost by then. `services`, `[(name,
+    address)]`, are probed alike (the tf.data service's dispatcher, which the input
+    pipelines wait on as they wait on a task).
 
     ```python
     monitor = HealthMonitor(config, timeout=30.0, on_failure=print)
@@ -55,7 +57,7 @@ class HealthMonitor:
     """
 
     def __init__(self, config: cluster_lib.ClusterConfig, timeout: float, on_failure,
-                 interval: float | None = None, skip=(("chief", 0),)):
+                 interval: float | None = None, skip=(("chief", 0),), services=()):
         cluster_lib.check_timeout(timeout)
         self._timeout = float(timeout)
         # Probes cost well under a millisecond; the interval bounds how late a loss is seen.
@@ -63,12 +65,13 @@ class HealthMonitor:
         self._on_failure = on_failure
         skipped = {(job, index) for job, index in skip}
         self._targets = [t for t in config.tasks() if (t[0], t[1]) not in skipped]
+        self._targets += [(name, None, address) for name, address in services]
         self._stop = threading.Event()
         self._reported = threading.Lock()
         self._problems: dict = {}  # task -> why its latest probe failed
         self._threads = [
             threading.Thread(target=self._watch, args=(task,), daemon=True,
-                             name=f"hybrid-strategy-health-{task[0]}-{task[1]}")
+                             name=f"hybrid-strategy-health-{task[0]}-{task[1] or 0}")
             for task in self._targets]
 
     def start(self):

@@ -23,13 +23,16 @@ function holds N copies of the step, so its tracing time and size grow with N.
 Keras 3 steps also cost this process less per worker, N = 1 included:
 - the step is traced inline, so no control edge runs from every task to a no-op on this
   process (Keras' nested step function ends in one, placed where the call is);
-- the logs (loss, metrics: one scalar per replica each) are averaged on the first
-  replica's device and cross to this process as one vector, where Keras would fetch
-  every replica's value of every log;
+- the logs (loss, metrics) are computed on the first replica's device, from the
+  metrics' state summed over the replicas (as one device holding every replica's rows
+  would have it, however the batch was split), and cross to this process as one vector,
+  where Keras would fetch every replica's value of every log and average them;
 - the steps are traced under the first replica's device, so what neither Keras nor the
   strategy places (the input pipeline's end-of-data checks, the conditionals between
   steps and the batches they pass on) runs there, not on this process.
 """
+
+import math
 
 import tensorflow as tf
 
@@ -80,46 +83,78 @@ class PackedLogs:
     """A step's outputs, with its float32 scalars (the logs) in one vector.
 
     Keras fetches every replica's value of every log to this process and averages
-    them here. `pack` stacks the logs on each replica's device and averages them on
-    the first one's; `unpack` splits that vector on this process, so one tensor
-    crosses to it. Other outputs are reduced as Keras does (`reduce_per_replica(value,
-    strategy, "auto")`). Both run while the step is traced.
+    them here, with equal weights. When the step's outputs are the model's metric
+    results (Keras' own steps), `pack` computes them instead from each metric's
+    state summed over the replicas, as one device holding every replica's rows would:
+    each replica's state variables cross to the first replica's device as one vector
+    per dtype. Other float32 scalars are averaged there, as Keras does. `unpack`
+    splits the logs' vector on this process, so one tensor crosses to it. Other
+    outputs are reduced as Keras does (`reduce_per_replica(value, strategy, "auto")`).
+    Both run while the step is traced.
     """
 
-    def __init__(self, strategy, reduce_per_replica):
-        self._strategy = strategy
+    def __init__(self, model, reduce_per_replica):
+        self._model = model
+        self._strategy = model.distribute_strategy
         self._reduce_per_replica = reduce_per_replica
         self._structure, self._scalars = None, ()
 
     def pack(self, outputs):
         strategy = self._strategy
+        devices = strategy.extended.worker_devices
+        with tf.device(devices[0]):
+            results = self._metric_results()
+        if isinstance(outputs, dict) and set(outputs) == set(results):
+            outputs = {key: results[key] for key in outputs}
         flat = tf.nest.flatten(outputs)
         self._structure = outputs
-        self._scalars = [i for i, value in enumerate(flat)
-                         if _is_float32_scalar_per_replica(value)]
+        self._scalars = [i for i, value in enumerate(flat) if _is_float32_scalar(value)]
         packed = {"rest": [self._reduce_per_replica(value, strategy, "auto")
                            for i, value in enumerate(flat) if i not in self._scalars]}
         if self._scalars:
-            devices = strategy.extended.worker_devices
-            per_replica = zip(*(strategy.experimental_local_results(flat[i])
-                                for i in self._scalars))
+            per_replica = [i for i in self._scalars if _is_per_replica(flat[i])]
             vectors = []
-            for device, values in zip(devices, per_replica):
+            for device, values in zip(devices, zip(*(
+                    strategy.experimental_local_results(flat[i]) for i in per_replica))):
                 with tf.device(device):
                     vectors.append(tf.stack(values))
             with tf.device(devices[0]):
-                packed["means"] = tf.reduce_mean(tf.stack(vectors), axis=0)
+                means = iter(tf.unstack(tf.reduce_mean(tf.stack(vectors), axis=0))
+                             if vectors else ())
+                packed["logs"] = tf.stack([next(means) if i in per_replica else flat[i]
+                                           for i in self._scalars])
         return packed
 
     def unpack(self, packed):
-        means = ()
-        if "means" in packed:
+        logs = ()
+        if "logs" in packed:
             with tf.device(_this_process_device()):
-                means = tf.unstack(tf.identity(packed["means"]))
-        means, rest = iter(means), iter(packed["rest"])
-        flat = [next(means) if i in self._scalars else next(rest)
+                logs = tf.unstack(tf.identity(packed["logs"]))
+        logs, rest = iter(logs), iter(packed["rest"])
+        flat = [next(logs) if i in self._scalars else next(rest)
                 for i in range(len(self._scalars) + len(packed["rest"]))]
         return tf.nest.pack_sequence_as(self._structure, flat)
+
+    def _metric_results(self):
+        """The model's metric results, from their state summed over the replicas."""
+        import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
+
+        strategy = self._strategy
+        devices = strategy.extended.worker_devices
+        summed = []
+        for variables in _summable_by_dtype(self._model.metrics, len(devices)).values():
+            vectors = []
+            for r, device in enumerate(devices):
+                with tf.device(device):
+                    vectors.append(tf.concat([tf.reshape(tf.convert_to_tensor(
+                        strategy.experimental_local_results(v.value)[r]), [-1])
+                        for v in variables], 0))
+            parts = tf.split(tf.add_n(vectors), [math.prod(v.shape) for v in variables])
+            for v, part in zip(variables, parts):
+                value = tf.reshape(part, v.shape)
+                summed.append((v, value / len(devices) if v.aggregation == "mean" else value))
+        with keras.StatelessScope(state_mapping=summed):
+            return self._model.get_metrics_result()
 
 
 def _this_process_device():
@@ -128,10 +163,28 @@ def _this_process_device():
         return tf.constant(0).device
 
 
-def _is_float32_scalar_per_replica(value):
-    return (isinstance(value, tf.distribute.DistributedValues)
-            and all(tf.is_tensor(v) and v.dtype == tf.float32 and v.shape.rank == 0
-                    for v in value.values))
+def _is_per_replica(value):
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _is_float32_scalar(value):
+    """A float32 scalar, or one per replica."""
+    values = value.values if _is_per_replica(value) else (value,)
+    return all(tf.is_tensor(v) and v.dtype == tf.float32 and v.shape.rank == 0
+               for v in values)
+
+
+def _summable_by_dtype(metrics, num_replicas):
+    """`{dtype: [variable]}`: the metrics' variables with a part on every replica,
+    whose cross-replica value is their parts' sum or mean."""
+    groups = {}
+    for metric in metrics:
+        for variable in metric.variables:
+            if (variable.aggregation in ("sum", "mean") and isinstance(
+                    variable.value, tf.distribute.DistributedValues)
+                    and len(variable.value.values) == num_replicas):
+                groups.setdefault(variable.dtype, []).append(variable)
+    return groups
 
 
 def _install_keras3(unrolls):
@@ -156,7 +209,7 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
     """
     strategy = model.distribute_strategy
     steps = model.steps_per_execution
-    logs = PackedLogs(strategy, trainer_lib.reduce_per_replica)
+    logs = PackedLogs(model, trainer_lib.reduce_per_replica)
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):

@@ -27,9 +27,16 @@ SHARED = "shared"
 
 # Tables smaller than two of these stay whole on one PS task.
 DEFAULT_MIN_SHARD_BYTES = 1 << 20
+# A PS table that gets a dense gradient moves to mirrored if, with its optimizer slots,
+# it takes at most this many bytes on each worker (every replica holds a copy).
+DEFAULT_MAX_MIRRORED_BYTES = 1 << 31
 
 # Layer classes whose weights are read by row (their gradients are IndexedSlices).
 SPARSE_LAYER_CLASSES = ("Embedding",)
+
+
+class PlacementWarning(UserWarning):
+    """A variable's placement does not fit the type of gradient it receives."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +238,10 @@ class PlacementPolicy:
       2. `architecture="allreduce"`: mirrored; `"ps"`: every layer weight on a PS;
       3. `"hybrid"`: weights of Embedding layers (and subclasses) on a PS,
          everything else mirrored.
+    Later, a mirrored variable found to be read by row moves to a PS
+    (`move_to_ps`), and a PS variable found to get a dense gradient moves to
+    mirrored unless `stays_on_ps` says why not (`move_to_mirrored`); a variable
+    moved to mirrored stays there.
     A PS variable's rows are dealt into
     `min(num_ps, bytes // min_shard_bytes)` shards (at least one; shard k of S
     holds rows k::S), or the number
@@ -252,11 +263,13 @@ class PlacementPolicy:
         min_shard_bytes: Smallest shard the default split makes (bytes).
         table_shards: `{fnmatch pattern: number of shards}` for chosen tables.
         asynchronous: Whether the workers train asynchronously.
+        max_mirrored_bytes: The most bytes a PS variable with a dense gradient,
+            with its optimizer slots, may take on each worker once mirrored.
     """
 
     def __init__(self, architecture="hybrid", num_ps=1, overrides=None,
                  min_shard_bytes=DEFAULT_MIN_SHARD_BYTES, table_shards=None,
-                 asynchronous=False):
+                 asynchronous=False, max_mirrored_bytes=DEFAULT_MAX_MIRRORED_BYTES):
         if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architecture={architecture!r} is not supported; use one of "
@@ -267,15 +280,22 @@ class PlacementPolicy:
         if not isinstance(min_shard_bytes, int) or min_shard_bytes < 1:
             raise ValueError(
                 f"min_shard_bytes must be a positive int (bytes), got {min_shard_bytes!r}.")
+        if (not isinstance(max_mirrored_bytes, int) or isinstance(max_mirrored_bytes, bool)
+                or max_mirrored_bytes < 0):
+            raise ValueError(
+                "max_mirrored_bytes must be an int >= 0 (bytes per worker; 0 keeps every "
+                f"PS table on its PS), got {max_mirrored_bytes!r}.")
         self.architecture = architecture
         self.num_ps = num_ps
         self.overrides = validate_overrides(overrides)
         self.min_shard_bytes = min_shard_bytes
         self.table_shards = validate_table_shards(table_shards)
         self.asynchronous = validate_asynchronous(asynchronous, architecture, self.overrides)
+        self.max_mirrored_bytes = max_mirrored_bytes
         self.plan = PlacementPlan()
         self._ps_bytes = [0] * num_ps
         self._matched_overrides = set()
+        self._moved_to_mirrored = set()
 
     def decide(self, info):
         """Returns the `Placement` of `info` and records it in `self.plan`."""
@@ -302,13 +322,44 @@ class PlacementPolicy:
 
         For a variable found to be read by row after it was created. Returns the
         new `Placement` (recorded in the plan), or None when the variable stays
-        mirrored: an override names it, `architecture="allreduce"`, or it has no
-        rows.
+        mirrored: an override names it, `architecture="allreduce"`, it has no
+        rows, or it was moved to mirrored (`move_to_mirrored`).
         """
         if (self.architecture == "allreduce" or not info.shape
-                or self._override_of(info.path) is not None):
+                or self._override_of(info.path) is not None
+                or info.path in self._moved_to_mirrored):
             return None
         return self._record(info, Placement(PS, self._shards(info)), reason, always=True)
+
+    def stays_on_ps(self, path, worker_bytes):
+        """Why the PS variable `path` stays there although its gradient is dense, or None.
+
+        `worker_bytes` is what it would take on each worker mirrored, its optimizer
+        slots included. It stays when an override pins it, under
+        `architecture="ps"`, or above `max_mirrored_bytes`.
+        """
+        pattern = self._override_of(path)
+        if pattern is not None:
+            return f"placement_overrides[{pattern!r}] pins it there"
+        if self.architecture != "hybrid":
+            return f"architecture {self.architecture!r} keeps every layer weight on a PS"
+        if worker_bytes > self.max_mirrored_bytes:
+            return (f"mirrored, it and its optimizer slots would take {worker_bytes:,} bytes "
+                    f"on each worker, more than max_mirrored_bytes={self.max_mirrored_bytes:,}")
+        return None
+
+    def move_to_mirrored(self, path, reason):
+        """Records the PS variable `path` (in the plan) as mirrored from now on, with `reason`.
+
+        For a variable found to get a dense gradient that `stays_on_ps` lets go.
+        """
+        record = self.plan[path]
+        row_bytes = record.nbytes // max(record.shape[0], 1) if record.shape else 0
+        for shard in record.placement.shards:
+            if shard.task is not None:
+                self._ps_bytes[shard.task] -= shard.rows * row_bytes
+        self.plan.add(dataclasses.replace(record, placement=Placement(MIRRORED), reason=reason))
+        self._moved_to_mirrored.add(path)
 
     def unmatched_overrides(self):
         """The `placement_overrides` patterns that matched no variable so far."""

@@ -4,7 +4,10 @@
                 "ps": ["127.0.0.1:2222"]}, "task": {"type": "ps", "index": 0}}' \\
         python -m hybrid_strategy.server
 
-TF_CONFIG says which task this process is. The server runs until SIGTERM or SIGINT, then exits
+TF_CONFIG says which task this process is. `--cpu-devices N` makes a worker's server expose N
+CPU devices, each a replica of the chief's training step (as the GPUs of a GPU machine are),
+so that the multi-replica path of GPU machines runs on CPUs. The server runs until SIGTERM or
+SIGINT, then exits
 with code 0. Exit code 2 means TF_CONFIG is missing or invalid, or names a task that is not a
 worker or ps; exit code 75 means the gRPC server could not start (e.g. its port is taken).
 
@@ -28,7 +31,7 @@ EXIT_CANNOT_SERVE = 75  # EX_TEMPFAIL: the launcher retries with other ports
 _CHIEF_PROBE_INTERVAL = 0.5  # seconds between two probes of the chief
 
 
-class _Stop(BaseException):
+class Stop(BaseException):
     """Raised by the signal handler to end start-up early; BaseException so that no
     `except Exception` on the way swallows it."""
 
@@ -43,18 +46,29 @@ def main(argv=None) -> int:
         "--chief-timeout", type=float, default=cluster_lib.CHIEF_TIMEOUT, metavar="S",
         help="start afresh, dropping every variable, once the chief that connected has not "
              f"answered for S seconds (default {cluster_lib.CHIEF_TIMEOUT:g}; 0: never)")
+    parser.add_argument(
+        "--cpu-devices", type=int, default=1, metavar="N",
+        help="CPU devices this worker exposes, each a replica of the training step "
+             "(default 1; a worker with GPUs replicates over its GPUs instead)")
     options = parser.parse_args(argv)
     if options.chief_timeout < 0:
         parser.error(f"--chief-timeout must be 0 or more, got {options.chief_timeout:g}")
+    if options.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be at least 1, got {options.cpu_devices}")
     config, problem = _task_config()
     if problem:
         print(f"{_PREFIX} {problem}", file=sys.stderr)
         return 2
+    if options.cpu_devices > 1 and config.task_type != "worker":
+        print(f"{_PREFIX} --cpu-devices {options.cpu_devices} is for worker tasks (each CPU "
+              f"device a replica), but TF_CONFIG names task \"{config.task_type}\" "
+              f"{config.task_index}; start it without --cpu-devices.", file=sys.stderr)
+        return 2
     # Installed before the slow TensorFlow import so that an early SIGTERM also exits cleanly.
-    stopped = _stop_on_signals()
+    stopped = stop_on_signals()
     try:
-        return _serve(config, stopped, options.chief_timeout)
-    except _Stop:
+        return _serve(config, stopped, options.chief_timeout, options.cpu_devices)
+    except Stop:
         return 0
 
 
@@ -78,12 +92,12 @@ def _task_config():
     return config, None
 
 
-def _stop_on_signals() -> int:
-    """Makes SIGTERM/SIGINT raise _Stop; returns a pipe fd that turns readable once one came.
+def stop_on_signals() -> int:
+    """Makes SIGTERM/SIGINT raise Stop; returns a pipe fd that turns readable once one came.
 
     The pipe is the reliable half: Python's C-level handler writes to it from whichever
     thread the signal hits, so a signal that lands while TensorFlow's C++ code runs (where
-    the raised _Stop can be lost) still wakes the serving loop, with no lost-wakeup race.
+    the raised Stop can be lost) still wakes the serving loop, with no lost-wakeup race.
     """
     stopped, wakeup = os.pipe()
     os.set_blocking(wakeup, False)
@@ -93,7 +107,8 @@ def _stop_on_signals() -> int:
     return stopped
 
 
-def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float) -> int:
+def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float,
+           cpu_devices: int) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -102,14 +117,16 @@ def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float
         server = tf.distribute.Server(
             tf.train.ClusterSpec(config.as_cluster_spec_dict()),
             job_name=job, task_index=index, protocol="grpc", start=True,
+            config=tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices}),
         )
     except tf.errors.OpError as e:
         print(f"{_PREFIX} {config.device(job, index)} could not start: {e.message}; is "
               f"{config.address(job, index)} free and an address of this machine?",
               file=sys.stderr)
         return EXIT_CANNOT_SERVE
-    print(f"{_PREFIX} {config.device(job, index)} serving on {config.address(job, index)}",
-          file=sys.stderr, flush=True)
+    devices = f" with {cpu_devices} CPU devices" if cpu_devices > 1 else ""
+    print(f"{_PREFIX} {config.device(job, index)} serving on {config.address(job, index)}"
+          f"{devices}", file=sys.stderr, flush=True)
     # The server serves from its own threads while `server` keeps it referenced (deleting
     # it would ask TF to stop it). Server.join() would block in C++ where no Python signal
     # handler runs, so wait for the stop signal instead.
@@ -143,13 +160,19 @@ def _wait_for_stop_or_chief_loss(stopped: int, chief: str | None, timeout: float
 
 
 def _raise_stop(signum, frame):
-    raise _Stop(signum)
+    raise Stop(signum)
+
+
+def exit_at_once(code: int) -> None:
+    """Exits with `code` after flushing output, skipping interpreter teardown.
+
+    A gRPC TF server cannot be stopped; destructors racing its threads at teardown could
+    hang or crash the exit.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # A gRPC TF server cannot be stopped; skip interpreter teardown so that destructors
-    # racing its threads can neither hang nor crash the exit.
-    os._exit(code)
+    exit_at_once(main())

@@ -1,516 +1,569 @@
-"""Row-sparse update rules of Keras optimizers, applied to one shard of a table at a time.
+"""Keras optimizers on PS tables: each optimizer's own update rule, run on the table's rows.
 
-A PS table is updated on the parameter server that holds it, one row shard at a
-time. Keras's own `optimizer.update_step(grad, var)` densifies an `IndexedSlices`
-gradient (Adagrad divides by the whole accumulator, Adam decays every row of its
-moments), so its cost grows with the table. `row_updater(optimizer)` returns a
-`RowUpdater` holding the same update rule written for rows: in "lazy" mode it
-gathers the gradient's rows of the variable and of each slot, applies the rule to
-them and scatters them back, so a step costs O(rows in the gradient); in "exact"
-mode it reproduces Keras's dense update, where every row's slots move.
+Keras (3 and tf_keras) updates a variable under a `tf.distribute` strategy by
+handing the strategy a closure that calls `optimizer.update_step(gradient,
+variable, ...)`. For a PS table the strategy runs that closure here
+(`update_table`) with the table and each of its optimizer slots standing in for
+some of their rows (`RowsView`): the optimizer's reads of them return those rows,
+its writes (`assign`, `assign_add`, `assign_sub`) replace them, and the rows are
+written back to their shards afterwards. So every Keras optimizer updates a table
+by its own rule, hyperparameters, learning-rate schedule and step count, with no
+copy of any rule here. What the rows are depends on the `mode`:
 
-Supported: `keras.optimizers.SGD` (with or without momentum and nesterov),
-`Adagrad`, `Adam` (amsgrad too) and `RMSprop` (centered or not, with or without
-momentum), and the same four classes of `tf_keras.optimizers` (the optimizers of
-`tf_keras/src/optimizers/`, including Adam's `adaptive_epsilon`). Anything else,
-and settings the row rules cannot honour (weight decay, EMA, gradient
-accumulation), raise `UnsupportedOptimizerError`. Gradient clipping and
-`loss_scale_factor` are fine: Keras applies them before `update_step`, so the
-gradient handed to `RowUpdater.apply` is already clipped and unscaled.
+- `"lazy"`: the step's rows (those with a gradient) of the table and of each slot;
+  rows without gradient keep their values and slots. A step costs the rows it
+  touches, whatever the table's size.
+- `"exact"`: every row, with the densified gradient: the step of training with
+  dense gradients (rows without gradient still move by momentum, moment decay,
+  weight decay).
+
+And where the rule runs depends on how it relates a variable's rows
+(`coupling`): a rule that treats each row on its own runs on every shard, on its
+ps task, in parallel (SGD, Adagrad, Adam, AdamW, RMSprop, Adadelta, Adamax, Nadam,
+Ftrl, Lion, ScheduleFreeAdamW, Muon's AdamW update); Lamb's trust ratio is taken
+over all the rows being updated, so its rule runs once on them, gathered from
+every shard onto the first shard's ps task; Adafactor's factored moments and
+update clipping, and Muon's orthogonalised update, span the whole variable, so
+both modes run them on the whole table there. Decoupled weight decay (`AdamW`,
+`weight_decay=`) shrinks every row in exact mode and the step's rows in lazy mode.
 
 ```python
 import keras
 import tensorflow as tf
 from hybrid_strategy import sparse_optimizers
 
-table = keras.Variable(tf.ones((6, 2)))
-optimizer = keras.optimizers.Adam(learning_rate=0.1)
-optimizer.build([table])
-updater = sparse_optimizers.row_updater(optimizer)
-slots = updater.slots(optimizer, table)          # {"momentum": ..., "velocity": ...}
-grad = tf.IndexedSlices(tf.ones((2, 2)), tf.constant([1, 4]), tf.constant([6, 2]))
-updater.apply(optimizer, table, slots, grad, mode="lazy")   # only rows 1 and 4 move
-optimizer.iterations.assign_add(1)               # as Keras does after a step
-print(table.numpy())
+optimizer = keras.optimizers.AdamW(learning_rate=0.1)
+print(sparse_optimizers.coupling(optimizer, keras.Variable(tf.ones((6, 2)))))  # rows
+optimizer.use_ema = True
+try:
+    sparse_optimizers.check(optimizer, "words/embeddings")
+except sparse_optimizers.UnsupportedOptimizerError as e:
+    print(e)
 ```
 """
 
+import contextlib
+import functools
 import sys
+import weakref
 
 import tensorflow as tf
 
+from hybrid_strategy import table as table_lib
+
 MODES = ("lazy", "exact")
 
-_KERAS = "keras"
-_TF_KERAS = "tf_keras"
-_SUPPORTED_NAMES = ("SGD", "Adagrad", "Adam", "RMSprop")
-_SUPPORTED_TEXT = (
-    "keras.optimizers.SGD/Adagrad/Adam/RMSprop and "
-    "tf_keras.optimizers.SGD/Adagrad/Adam/RMSprop")
-_WHAT_TO_DO = (
-    "To train this table with it anyway, place the table 'mirrored' (for example "
-    "HybridStrategy(placement_overrides={'<layer>/embeddings': 'mirrored'})), or "
-    "use one of the supported optimizers.")
+# How an optimizer's update rule relates the rows of a variable (`coupling`).
+ROWS = "rows"                    # each row on its own; rows without gradient move too
+ROWS_STILL = "rows_still"        # each row on its own; rows without gradient stay still
+ROWS_TOGETHER = "rows_together"  # one statistic over the rows being updated
+WHOLE = "whole"                  # statistics over the whole variable, in every mode
+
+_KERAS, _TF_KERAS, _LEGACY = "keras", "tf_keras", "tf_keras.optimizers.legacy"
+
+# The shipped optimizer classes whose `update_step` runs on tables, by name.
+_COUPLINGS = {
+    # Keras 3's SGD keeps no slot without momentum; tf_keras' keeps one that moves.
+    "SGD": lambda optimizer, variable, flavour: (
+        ROWS_STILL if flavour == _KERAS and not optimizer.momentum else ROWS),
+    "Adagrad": ROWS_STILL,
+    "Adam": ROWS, "AdamW": ROWS, "RMSprop": ROWS, "Adadelta": ROWS, "Adamax": ROWS,
+    "Nadam": ROWS,  # Keras 3's; tf_keras' is refused (`_problem`)
+    "Ftrl": ROWS, "Lion": ROWS, "ScheduleFreeAdamW": ROWS,
+    "Lamb": ROWS_TOGETHER,
+    "Adafactor": WHOLE,
+    # Muon takes AdamW's step for embeddings (paths holding "embedding", by default),
+    # variables not of rank 2 and `exclude_layers`; its own step orthogonalises the
+    # whole matrix.
+    "Muon": lambda optimizer, variable, flavour: (
+        ROWS if optimizer._should_use_adamw(variable) else WHOLE),
+}
 
 
 class UnsupportedOptimizerError(TypeError):
-    """The optimizer, or one of its settings, has no row-sparse update rule here.
+    """An optimizer, or one of its settings, cannot update a PS table.
+
+    The message names the table and the placement override that trains it as a
+    mirrored variable instead.
 
     ```python
     import keras
     from hybrid_strategy import sparse_optimizers
+    optimizer = keras.optimizers.Adam(gradient_accumulation_steps=4)
     try:
-        sparse_optimizers.row_updater(keras.optimizers.Nadam())
+        sparse_optimizers.check(optimizer, "item/embeddings")
     except sparse_optimizers.UnsupportedOptimizerError as e:
         print(e)
     ```
     """
 
+    # AutoGraph re-raises an error from a traced step as its own type only if its
+    # constructor is Exception's (else as a StagingError): tf_keras builds its
+    # optimizer while it traces the first step.
+    __init__ = Exception.__init__
 
-def row_updater(optimizer):
-    """Returns the `RowUpdater` that applies `optimizer`'s update rule to rows.
 
-    Accepts `keras.optimizers.SGD`, `Adagrad`, `Adam`, `RMSprop` and the same
-    classes of `tf_keras.optimizers` (exactly these classes, not subclasses,
-    which may change the rule). Raises `UnsupportedOptimizerError`, naming the
-    optimizer and what to do, for any other optimizer (Nadam, Adamax, Ftrl,
-    AdamW, Lion, LossScaleOptimizer, the `tf_keras.optimizers.legacy` ones, ...)
-    and for these settings:
+def check(optimizer, path):
+    """Raises `UnsupportedOptimizerError` if `optimizer` cannot update PS table `path`.
 
-    * `weight_decay` other than None or 0: Keras shrinks every weight of every
-      variable each step (`var -= lr * wd * var`), which touches every row.
-    * `use_ema=True`: Keras averages every row into a moving average each step
-      and may overwrite the variable with it.
-    * `gradient_accumulation_steps` (Keras 3): gradients are summed into dense
-      buffers and the update happens only every N-th step.
-    * a DTensor `mesh` (tf_keras).
-
-    `clipnorm`, `clipvalue`, `global_clipnorm` and `loss_scale_factor` are
-    accepted: Keras applies them to the gradients before `update_step`, and
-    `RowUpdater.apply` takes the gradient `update_step` would receive.
+    `optimizer` is the one that updates the table: for a `LossScaleOptimizer`, its
+    inner optimizer; for a `MultiOptimizer`, the one it assigns to the table.
+    Refused: optimizers not shipped with Keras 3 or tf_keras (and subclasses that
+    replace `update_step`), tf_keras' legacy optimizers and its Nadam,
+    `use_ema=True`, Keras 3's `gradient_accumulation_steps` and a tf_keras DTensor
+    mesh.
 
     ```python
     import keras
     from hybrid_strategy import sparse_optimizers
-    updater = sparse_optimizers.row_updater(keras.optimizers.RMSprop(centered=True))
-    print(updater.slot_names)       # ('velocity', 'average_gradient')
+    sparse_optimizers.check(keras.optimizers.Ftrl(), "wide/embeddings")   # fine
     ```
     """
-    flavour = _flavour_of(optimizer)
-    cls = type(optimizer)
-    name = cls.__name__
-    if flavour is None:
+    problem = _problem(optimizer)
+    if problem:
         raise UnsupportedOptimizerError(
-            f"{_describe(optimizer)} has no row-sparse update rule: supported are "
-            f"{_SUPPORTED_TEXT}. {_WHAT_TO_DO}")
-    if flavour == "tf_keras_legacy":
-        raise UnsupportedOptimizerError(
-            f"{_describe(optimizer)} is a legacy tf_keras optimizer (OptimizerV2), "
-            f"which has no row-sparse update rule: supported are {_SUPPORTED_TEXT}. "
-            f"Use tf_keras.optimizers.{name} (the non-legacy class) instead. "
-            f"{_WHAT_TO_DO}")
-    _check_settings(optimizer, flavour)
-    updater_cls = {"SGD": _SGD, "Adagrad": _Adagrad, "Adam": _Adam,
-                   "RMSprop": _RMSprop}[name]
-    return updater_cls(optimizer, flavour)
+            f"HybridStrategy cannot update PS table '{path}' with {_describe(optimizer)}: "
+            f"{problem}. To train this table with it anyway, place the table mirrored: "
+            f"HybridStrategy(placement_overrides={{'{path}': 'mirrored'}}).")
 
 
-class RowUpdater:
-    """Applies one optimizer's update rule to the rows a sparse gradient touches.
+def _optimizer_for(optimizer, variable):
+    """The optimizer that updates `variable`: through a `LossScaleOptimizer` to the
+    optimizer it wraps, through a Keras 3 `MultiOptimizer` to the one it assigns to
+    `variable` (a Keras 3 variable)."""
+    while True:
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if inner is not None:
+            optimizer = inner
+        elif hasattr(optimizer, "_optimizer_map"):
+            optimizer = optimizer._optimizer_map(variable)
+        else:
+            return optimizer
 
-    Built by `row_updater(optimizer)`. `slot_names` are the optimizer's own
-    names for its per-variable state (Keras 3 Adam: `("momentum", "velocity")`,
-    tf_keras Adam: `("m", "v")`); `slots()` finds those variables, `apply()`
-    updates a variable (or one row shard of it) and its slots.
+
+def coupling(optimizer, variable):
+    """How `optimizer`'s update rule relates the rows of `variable`.
+
+    `ROWS`: each row on its own, and rows without gradient move too (momentum,
+    moment decay); `ROWS_STILL`: each row on its own, rows without gradient stay
+    still (Adagrad, SGD without momentum: lazy updates are exact); `ROWS_TOGETHER`:
+    one statistic over all the rows being updated (Lamb's trust ratio); `WHOLE`:
+    statistics over the whole variable whatever the mode (Adafactor, Muon's own
+    update).
 
     ```python
     import keras
+    from hybrid_strategy import sparse_optimizers
+    table = keras.Variable(keras.ops.ones((100, 8)), name="embeddings")
+    print(sparse_optimizers.coupling(keras.optimizers.Lamb(), table))   # rows_together
+    ```
+    """
+    flavour, name = _rule_of(optimizer)
+    rule = _COUPLINGS.get(name) if flavour in (_KERAS, _TF_KERAS) else None
+    if rule is None:
+        raise UnsupportedOptimizerError(f"{_describe(optimizer)}: {_problem(optimizer)}")
+    return rule(optimizer, variable, flavour) if callable(rule) else rule
+
+
+def is_weight_decay(fn):
+    """Whether `fn`, handed to the strategy's update, is a Keras optimizer's weight decay.
+
+    Keras 3 and tf_keras apply decoupled weight decay through the strategy with a
+    closure named `weight_decay_fn(variable)`, before the update of the same step.
+    """
+    return getattr(fn, "__name__", None) == "weight_decay_fn"
+
+
+def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy",
+                 concurrent=False):
+    """Runs Keras' update closure `fn(variable, gradient, *args)` on `table`'s rows.
+
+    `grads` holds the step's summed gradient of each shard of `table`, with
+    shard-local rows: `tf.IndexedSlices` with distinct indices, or dense tensors
+    of the shard's shape. The table and its optimizer slots stand in for the rows
+    `mode` updates, on each shard's ps task or together on the first shard's
+    (`coupling`); a weight decay deferred by `decay_table` is applied to the same
+    rows first. Returns the op that writes the rows back.
+
+    `concurrent=True` (asynchronous training: other steps may update the same rows
+    meanwhile) writes each row's change since it was read, added by the shard's own
+    atomic operation, so that no step's update overwrites another's.
+    """
+    _check_mode(mode)
+    kind = coupling(optimizer, table)
+    decays = _take_deferred_decays(table)
+    tables = [table] + _slots_of(optimizer, table)
+    views = []
+    for selection, grad in _selections(table, grads, mode, kind):
+        views += _run_on(selection, tables, optimizer,
+                         decays + [lambda grad=grad: fn(table, grad, *args, **(kwargs or {}))])
+    return _flushed(views, concurrent)
+
+
+def decay_table(optimizer, fn, table, mode="lazy", concurrent=False):
+    """Applies Keras' weight decay closure `fn(variable)` to `table`, or defers it.
+
+    In exact mode, and for rules that span the whole table, every row decays, on
+    each shard's ps task. In lazy mode only the step's rows do: the decay waits
+    for the table's update in the same step (`update_table`), which applies it to
+    those rows before the optimizer's rule. `concurrent` as for `update_table`.
+    """
+    _check_mode(mode)
+    if mode == "lazy" and coupling(optimizer, table) != WHOLE:
+        _DEFERRED_DECAYS.setdefault(_graph(), {}).setdefault(table.ref(), []).append(
+            lambda: fn(table))
+        return tf.no_op()
+    tables = [table] + _slots_of(optimizer, table)
+    views = []
+    for k in range(table.num_shards):
+        views += _run_on(_Selection(table, [k]), tables, optimizer, [lambda: fn(table)])
+    return _flushed(views, concurrent)
+
+
+class RowsView:
+    """Stands in for a table (or one of its slots) while an optimizer updates some rows.
+
+    Holds the current value of the selected rows, read from their shards when made;
+    `read` returns it and `write` replaces it, as the optimizer's reads and writes of
+    the table reach it (`ShardedTable.rows_view`); `flush` writes the rows back.
+
+    ```python
     import tensorflow as tf
-    from hybrid_strategy import sparse_optimizers
-    table = keras.Variable(tf.zeros((4, 3)))
-    optimizer = keras.optimizers.Adagrad(learning_rate=0.5)
-    optimizer.build([table])
-    updater = sparse_optimizers.row_updater(optimizer)
-    shard = tf.Variable(table.numpy()[2:])             # rows 2..3 of the table
-    shard_slots = {name: tf.Variable(slot.numpy()[2:])
-                   for name, slot in updater.slots(optimizer, table).items()}
-    grad = tf.IndexedSlices(tf.ones((1, 3)), tf.constant([1]))   # table row 3
-    updater.apply(optimizer, shard, shard_slots, grad)
-    print(shard.numpy())
+    from hybrid_strategy import sparse_optimizers, table
+    t = table.ShardedTable([tf.Variable(tf.zeros((3, 2))), tf.Variable(tf.ones((2, 2)))], "t")
+    rows = sparse_optimizers.RowsView(t, [0, 1], [tf.constant([2]), tf.constant([0])])
+    t.rows_view = rows
+    t.assign_add(tf.fill((2, 2), 5.0))      # table rows 4 and 1
+    t.rows_view = None
+    rows.flush()
+    print(t.numpy())
     ```
+
+    Args:
+        table: A `ShardedTable`.
+        shards: The positions of the shards whose rows are selected.
+        indices: For each of those shards, the shard-local rows selected, or None
+            for every row of every selected shard (then several shards read as
+            the table in row order, for rules that span it).
     """
 
-    slot_names = ()
-    # Whether the lazy rule is Keras's dense rule (rows without gradient keep
-    # their variable and slots bit for bit), so "exact" can use it too.
-    _lazy_is_exact = False
+    def __init__(self, table, shards, indices=None):
+        self.table = table
+        self._selection = _Selection(table, shards, indices)
+        self._value = self._read = self._selection.read(table)
+        self._written = False
 
-    def __init__(self, optimizer, flavour):
-        self._class = type(optimizer)
-        self._flavour = flavour
-        self.slot_names = self._slot_names(optimizer)
+    def read(self):
+        return self._value
 
-    def __repr__(self):
-        return (f"<RowUpdater for {self._flavour}.optimizers.{self._class.__name__}"
-                f" slots={self.slot_names}>")
+    def write(self, method, value):
+        if method == "assign_add":
+            value = self._value + value
+        elif method == "assign_sub":
+            value = self._value - value
+        value.set_shape(value.shape.merge_with(self._value.shape))
+        self._value = value
+        self._written = True
 
-    # Slots -------------------------------------------------------------------
+    def flush(self, concurrent=False):
+        """Writes the rows back to their shards if they were written; returns the ops.
 
-    def slots(self, optimizer, variable):
-        """Returns `{slot name: slot variable}` for `variable`, as `optimizer` stores them.
-
-        `variable` is one the optimizer was built with: a `keras.Variable` (or
-        its `.value`) for Keras 3, a `tf.Variable` for tf_keras. The values are
-        the optimizer's own objects (Keras 3: `keras.Variable`s; tf_keras:
-        `tf.Variable`s), not copies.
-
-        ```python
-        import keras
-        from hybrid_strategy import sparse_optimizers
-        w = keras.Variable([[1.0, 2.0]])
-        optimizer = keras.optimizers.SGD(momentum=0.9)
-        optimizer.build([w])
-        slots = sparse_optimizers.row_updater(optimizer).slots(optimizer, w)
-        print(slots["momentum"] is optimizer.momentums[0])   # True
-        ```
+        `concurrent`: adds their change since they were read instead.
         """
-        self._check_optimizer(optimizer)
-        if not self.slot_names:
-            return {}
-        index = _variable_index(optimizer, variable, self._flavour)
-        return {name: getattr(optimizer, attr)[index]
-                for name, attr in zip(self.slot_names, self._slot_attrs(optimizer))}
+        if not self._written:
+            return []
+        if concurrent:
+            return self._selection.write(self.table, self._value - self._read, added=True)
+        return self._selection.write(self.table, self._value)
 
-    # Update ------------------------------------------------------------------
 
-    def apply(self, optimizer, variable, slots, grad, mode="lazy", concurrent=False):
-        """Updates `variable` and its `slots` with `grad` by `optimizer`'s rule.
+# Keras hooks --------------------------------------------------------------------
 
-        `variable` is a `tf.Variable` (or a `keras.Variable`), typically one row
-        shard of a table; `slots` maps every name of `slot_names` to a variable
-        of the same shape (the matching shard of each slot). `grad` is either a
-        `tf.IndexedSlices` whose indices are unique and local to `variable`
-        (rows `0..shape[0]-1`), or a dense tensor of the variable's shape; it
-        is the gradient Keras would hand to `update_step` (already clipped and
-        divided by `loss_scale_factor`). Duplicate indices are not merged: sum
-        them first. A variable's `constraint`, which Keras applies after
-        `update_step`, is not applied here.
 
-        `mode="lazy"` changes only the gradient's rows, of the variable and of
-        every slot, with the LazyAdam-style rule (Adam's bias correction still
-        uses the global step); it gathers those rows, computes and scatters
-        them back, so its cost is O(rows in `grad`). `mode="exact"` gives
-        Keras's dense update, where rows without gradient still decay their
-        slots and move under momentum, Adam and RMSprop; it costs O(rows of
-        `variable`). For Adagrad and for SGD without momentum both modes are
-        the same update and take the lazy path. A dense `grad` touches every
-        row, so both modes apply Keras's dense update.
+def install_keras_hooks():
+    """Refuses an optimizer that cannot update a PS table at `compile`, or when built.
 
-        The learning rate (a float, variable, callable or
-        `LearningRateSchedule`) and the step (`optimizer.iterations + 1`) are
-        read from `optimizer`, in `variable`'s dtype, as Keras reads them
-        before incrementing `iterations`; the caller increments it after the
-        step, as Keras does. Works eagerly and inside `tf.function`.
+    `compile` checks the model's tables if it has its variables by then; a model
+    that makes them later (a subclassed model not yet built) is checked when its
+    optimizer is built: Keras 3 builds it when `fit` starts, before it traces a
+    step, tf_keras while it traces the first one. And Keras 3's Muon, whose weight
+    decay assigns each variable in each replica (a table would decay once per
+    replica), decays tables through the strategy as the other optimizers do.
+    """
+    import keras
+    # Keras-private: the base class whose `build` every Keras 3 optimizer calls, and
+    # the one whose `compile` every model's is (loading a `.keras` file compiles a
+    # model only if its `compile` is that very function).
+    from keras.src.optimizers import base_optimizer
+    from keras.src.trainers import trainer
 
-        `concurrent=True` (asynchronous training: other steps may update the
-        same rows meanwhile) writes each new value as its difference from the
-        value read, added with the variable's own atomic operation, so that no
-        step's update overwrites another's.
+    _patch(base_optimizer.BaseOptimizer, "build", _checking_tables_when_built)
+    _patch(trainer.Trainer, "compile", _checking_tables_when_compiled)
+    _patch(keras.optimizers.Muon, "_apply_weight_decay", _decaying_tables_through_strategy)
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None:
+        # tf_keras-private: the base class whose `build` every tf_keras optimizer calls.
+        from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
 
-        Returns an int32 scalar tensor, the number of rows written, that runs
-        after every update (use it as a control dependency in graph code).
+        _patch(tf_keras_optimizer._BaseOptimizer, "build", _checking_tables_when_built)
+        _patch(tf_keras.Model, "compile", _checking_tables_when_compiled)
 
-        ```python
-        import tensorflow as tf
-        import tf_keras
-        from hybrid_strategy import sparse_optimizers
-        w = tf.Variable(tf.ones((5, 2)))
-        optimizer = tf_keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
-        optimizer.build([w])
-        updater = sparse_optimizers.row_updater(optimizer)
-        grad = tf.IndexedSlices(tf.ones((2, 2)), tf.constant([0, 3]))
-        updater.apply(optimizer, w, updater.slots(optimizer, w), grad, mode="exact")
-        print(w.numpy())
-        ```
-        """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self._check_optimizer(optimizer)
-        variable = _tf_variable(variable)
-        slot_vars = self._check_slots(slots, variable)
-        dtype = variable.dtype.base_dtype
-        with tf.name_scope(f"{self._class.__name__}_row_update"):
-            hyper = self._hyper(optimizer, dtype)
-            if isinstance(grad, tf.IndexedSlices):
-                if mode == "lazy" or self._lazy_is_exact:
-                    ops, rows = self._apply_rows(hyper, variable, slot_vars, grad, concurrent)
+
+def _check_model(optimizer, variables):
+    """Checks `optimizer` against every PS table among `variables` (`check`)."""
+    for variable in variables:
+        table = _table_behind(variable)
+        if table is not None:
+            check(_optimizer_for(optimizer, variable), table.path)
+
+
+def _patch(cls, name, wrap):
+    """Replaces method `name` of `cls` by `wrap(the method)`, once, keeping its name
+    and attributes."""
+    method = getattr(cls, name)
+    flag = f"_hybrid_strategy_{wrap.__name__}"
+    if not getattr(method, flag, False):
+        wrapped = functools.wraps(method)(wrap(method))
+        setattr(wrapped, flag, True)
+        setattr(cls, name, wrapped)
+
+
+def _checking_tables_when_built(build):
+    def build_checking_tables(self, var_list, *args, **kwargs):
+        # Wrappers (LossScaleOptimizer, MultiOptimizer) build the optimizers they wrap.
+        if not (hasattr(self, "inner_optimizer") or hasattr(self, "_optimizer_map")):
+            for variable in var_list:
+                table = _table_behind(variable)
+                if table is not None:
+                    check(self, table.path)
+        return build(self, var_list, *args, **kwargs)
+
+    return build_checking_tables
+
+
+def _checking_tables_when_compiled(compile_model):
+    def compile_checking_tables(self, *args, **kwargs):
+        result = compile_model(self, *args, **kwargs)
+        if self.optimizer is not None:
+            _check_model(self.optimizer, self.trainable_variables)
+        return result
+
+    return compile_checking_tables
+
+
+def _decaying_tables_through_strategy(apply_weight_decay):
+    def apply_weight_decay_to_tables_once(self, variables):
+        tables = [_table_behind(v) for v in variables if _table_behind(v) is not None]
+        apply_weight_decay(self, [v for v in variables if _table_behind(v) is None])
+        if not tables:
+            return
+
+        def decay(distribution, tables):
+            for table in tables:
+                # Muon's own decay of the table (not of the Keras variable, which
+                # would check the rows' shape against the table's).
+                def weight_decay_fn(table):
+                    apply_weight_decay(self, [table])
+                distribution.extended.update(table, weight_decay_fn, group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            decay, tf.distribute.get_strategy(), tables)
+
+    return apply_weight_decay_to_tables_once
+
+
+# Running the rule on rows -------------------------------------------------------
+
+
+class _Selection:
+    """Rows of some shards of a table: read them as one tensor, write them back."""
+
+    def __init__(self, table, shards, indices=None):
+        self.shards = list(shards)
+        self.indices = indices
+        self.device = table.shards[self.shards[0]].device
+        self._whole = indices is None and len(self.shards) == table.num_shards > 1
+
+    def read(self, table):
+        parts = []
+        for i, k in enumerate(self.shards):
+            shard = table.shards[k]
+            with tf.device(shard.device):
+                parts.append(shard.read_value() if self.indices is None
+                             else tf.gather(shard, self.indices[i]))
+        if self._whole:
+            # In row order, with its static shape (Muon branches on it).
+            return tf.ensure_shape(table_lib.join_dense(parts), table.shape)
+        return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+    def write(self, table, value, added=False):
+        """Writes `value` to the rows, or adds it to them with `added`."""
+        if self._whole:
+            parts = table_lib.split_dense(value, table.num_shards)
+        elif len(self.shards) == 1:
+            parts = [value]
+        else:
+            parts = tf.split(value, [tf.size(i) for i in self.indices])
+        ops = []
+        for i, (k, part) in enumerate(zip(self.shards, parts)):
+            shard = table.shards[k]
+            with tf.device(shard.device):
+                if self.indices is None:
+                    write = shard.assign_add if added else shard.assign
+                    ops.append(write(part, read_value=False))
                 else:
-                    dense = _densify(grad, variable)
-                    ops, rows = self._apply_dense(hyper, variable, slot_vars, dense, concurrent)
-            else:
-                dense = tf.cast(tf.convert_to_tensor(grad), dtype)
-                if variable.shape.is_fully_defined() and dense.shape.is_fully_defined():
-                    if dense.shape != variable.shape:
-                        raise ValueError(
-                            f"dense gradient of shape {dense.shape} for a variable "
-                            f"of shape {variable.shape}")
-                ops, rows = self._apply_dense(hyper, variable, slot_vars, dense, concurrent)
-            with tf.control_dependencies([op for op in ops if op is not None]):
-                return tf.identity(rows)
-
-    def _apply_rows(self, hyper, variable, slots, grad, concurrent):
-        """Gathers grad's rows of variable and slots, applies the rule, scatters back."""
-        indices = grad.indices
-        g = tf.cast(grad.values, variable.dtype)
-        w = variable.sparse_read(indices)
-        rows = {name: slot.sparse_read(indices) for name, slot in slots.items()}
-        new_w, new_rows = self._rule(hyper, w, rows, g)
-
-        def write(target, new, old):
-            if concurrent:
-                return _op(target.scatter_add(tf.IndexedSlices(new - old, indices)))
-            return _op(target.scatter_update(tf.IndexedSlices(new, indices)))
-
-        ops = [write(slots[name], new_rows[name], rows[name])
-               for name in self.slot_names if name in new_rows]
-        ops.append(write(variable, new_w, w))
-        return ops, tf.size(indices, out_type=tf.int32)
-
-    def _apply_dense(self, hyper, variable, slots, g, concurrent):
-        """Keras's dense update on the whole variable and slots."""
-        w = variable.read_value()
-        full = {name: slot.read_value() for name, slot in slots.items()}
-        new_w, new_full = self._rule(hyper, w, full, g)
-
-        def write(target, new, old):
-            if concurrent:
-                return target.assign_add(new - old, read_value=False)
-            return target.assign(new, read_value=False)
-
-        ops = [write(slots[name], new_full[name], full[name])
-               for name in self.slot_names if name in new_full]
-        ops.append(write(variable, new_w, w))
-        return ops, tf.shape(variable, out_type=tf.int32)[0]
-
-    # Per-optimizer parts -----------------------------------------------------
-
-    def _slot_names(self, optimizer):
-        raise NotImplementedError
-
-    def _slot_attrs(self, optimizer):
-        """The optimizer attributes (lists indexed like its variables) of each slot."""
-        raise NotImplementedError
-
-    def _hyper(self, optimizer, dtype):
-        """Tensors and numbers the rule needs, read from the optimizer now."""
-        return {"lr": _learning_rate(optimizer, self._flavour, dtype)}
-
-    def _rule(self, h, w, slots, g):
-        """(new variable rows, {slot: new rows}) from rows (or whole tensors) w, slots, g."""
-        raise NotImplementedError
-
-    # Checks ------------------------------------------------------------------
-
-    def _check_optimizer(self, optimizer):
-        if type(optimizer) is not self._class:
-            raise ValueError(
-                f"this RowUpdater was made for {self._class.__name__}, "
-                f"got {_describe(optimizer)}")
-
-    def _check_slots(self, slots, variable):
-        slots = dict(slots or {})
-        if set(slots) != set(self.slot_names):
-            raise ValueError(
-                f"slots must have exactly the keys {self.slot_names}, "
-                f"got {tuple(sorted(slots))}")
-        out = {}
-        for name in self.slot_names:
-            slot = _tf_variable(slots[name])
-            if (slot.shape.is_fully_defined() and variable.shape.is_fully_defined()
-                    and slot.shape != variable.shape):
-                raise ValueError(
-                    f"slot {name!r} has shape {slot.shape}, the variable {variable.shape}")
-            out[name] = slot
-        return out
+                    write = shard.scatter_add if added else shard.scatter_update
+                    ops.append(write(tf.IndexedSlices(part, self.indices[i])))
+        return ops
 
 
-class _SGD(RowUpdater):
-    """w -= lr*g; with momentum mu: m = mu*m - lr*g, w += m (nesterov: w += mu*m - lr*g).
-
-    tf_keras always keeps the slot "m" and updates it even when momentum is 0
-    (then m = -lr*g, which does not move w); Keras 3 has no slot without momentum.
-    """
-
-    def _slot_names(self, optimizer):
-        if self._flavour == _TF_KERAS or optimizer.momentum != 0:
-            return ("momentum",) if self._flavour == _KERAS else ("m",)
-        return ()
-
-    def _slot_attrs(self, optimizer):
-        return ("momentums",)
-
-    @property
-    def _lazy_is_exact(self):
-        return not self.slot_names
-
-    def _hyper(self, optimizer, dtype):
-        h = super()._hyper(optimizer, dtype)
-        h["momentum"] = _cast(optimizer.momentum, dtype)
-        h["nesterov"] = bool(optimizer.nesterov)
-        return h
-
-    def _rule(self, h, w, slots, g):
-        lr = h["lr"]
-        if not self.slot_names:
-            return w - g * lr, {}
-        name = self.slot_names[0]
-        mu = h["momentum"]
-        m = slots[name] * mu - g * lr
-        if h["nesterov"]:
-            return w + (m * mu - g * lr), {name: m}
-        return w + m, {name: m}
+def _selections(table, grads, mode, kind):
+    """(rows, their gradient) pairs: one per shard, or one for rules coupling rows."""
+    sparse = isinstance(grads[0], tf.IndexedSlices)
+    by_rows = sparse and kind != WHOLE and (mode == "lazy" or kind == ROWS_STILL)
+    if by_rows:
+        pairs = [(_Selection(table, [k], [g.indices]), g.values) for k, g in enumerate(grads)]
+    else:
+        pairs = [(_Selection(table, [k]), _dense(g, table.shards[k]))
+                 for k, g in enumerate(grads)]
+    if kind in (ROWS, ROWS_STILL) or len(pairs) == 1:
+        return pairs
+    everything = range(table.num_shards)
+    with tf.device(table.shards[0].device):
+        if by_rows:
+            return [(_Selection(table, everything, [g.indices for g in grads]),
+                     tf.concat([g for _, g in pairs], 0))]
+        return [(_Selection(table, everything),
+                 tf.ensure_shape(table_lib.join_dense([g for _, g in pairs]), table.shape))]
 
 
-class _Adagrad(RowUpdater):
-    """acc += g^2; w -= lr*g / sqrt(acc + eps) (both flavours: eps inside the root)."""
-
-    _lazy_is_exact = True
-
-    def _slot_names(self, optimizer):
-        return ("accumulator",)
-
-    def _slot_attrs(self, optimizer):
-        return ("_accumulators",)
-
-    def _hyper(self, optimizer, dtype):
-        h = super()._hyper(optimizer, dtype)
-        h["epsilon"] = _cast(optimizer.epsilon, dtype)
-        return h
-
-    def _rule(self, h, w, slots, g):
-        acc = slots["accumulator"] + tf.square(g)
-        return w - (h["lr"] * g) / tf.sqrt(acc + h["epsilon"]), {"accumulator": acc}
+def _run_on(selection, tables, optimizer, steps):
+    """Runs `steps` with `tables` (a table and its slots) standing in for `selection`'s rows."""
+    with tf.device(selection.device):
+        views = [RowsView(t, selection.shards, selection.indices) for t in tables]
+        for view in views:
+            view.table.rows_view = view
+        try:
+            with _without_xla(optimizer):
+                for step in steps:
+                    step()
+        finally:
+            for view in views:
+                view.table.rows_view = None
+    return views
 
 
-class _Adam(RowUpdater):
-    """m += (g-m)(1-b1); v += (g^2-v)(1-b2); [amsgrad: vh = max(vh, v)];
-    w -= m*alpha / (sqrt(v or vh) + eps), alpha = lr*sqrt(1-b2^t)/(1-b1^t), t = iterations+1.
-
-    tf_keras's `adaptive_epsilon=True` uses eps*sqrt(1-b2^t) instead of eps.
-    """
-
-    def _slot_names(self, optimizer):
-        if self._flavour == _KERAS:
-            names = ("momentum", "velocity")
-            return names + ("velocity_hat",) if optimizer.amsgrad else names
-        return ("m", "v", "vhat") if optimizer.amsgrad else ("m", "v")
-
-    def _slot_attrs(self, optimizer):
-        return ("_momentums", "_velocities", "_velocity_hats")[:len(self.slot_names)]
-
-    def _hyper(self, optimizer, dtype):
-        h = super()._hyper(optimizer, dtype)
-        step = tf.cast(tf.convert_to_tensor(optimizer.iterations) + 1, dtype)
-        beta_1, beta_2 = _value(optimizer.beta_1), _value(optimizer.beta_2)
-        beta_1_power = tf.pow(_cast(beta_1, dtype), step)
-        beta_2_power = tf.pow(_cast(beta_2, dtype), step)
-        h["alpha"] = h["lr"] * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        h["one_minus_beta_1"] = _one_minus(beta_1, dtype)
-        h["one_minus_beta_2"] = _one_minus(beta_2, dtype)
-        epsilon = _cast(optimizer.epsilon, dtype)
-        if self._flavour == _TF_KERAS and getattr(optimizer, "adaptive_epsilon", False):
-            epsilon = epsilon * tf.sqrt(1 - beta_2_power)
-        h["epsilon"] = epsilon
-        return h
-
-    def _rule(self, h, w, slots, g):
-        m_name, v_name = self.slot_names[:2]
-        m = slots[m_name] + (g - slots[m_name]) * h["one_minus_beta_1"]
-        v = slots[v_name] + (tf.square(g) - slots[v_name]) * h["one_minus_beta_2"]
-        new = {m_name: m, v_name: v}
-        if len(self.slot_names) == 3:
-            vh_name = self.slot_names[2]
-            v = tf.maximum(slots[vh_name], v)
-            new[vh_name] = v
-        return w - (m * h["alpha"]) / (tf.sqrt(v) + h["epsilon"]), new
+def _flushed(views, concurrent):
+    return tf.group([op for view in views for op in view.flush(concurrent)])
 
 
-class _RMSprop(RowUpdater):
-    """v = rho*v + (1-rho)*g^2; [centered: a = rho*a + (1-rho)*g, d = v - a^2 + eps;
-    else d = v + eps]; inc = lr*g/sqrt(d); [momentum mu > 0: p = mu*p + inc, w -= p;
-    else w -= inc]. tf_keras writes inc as lr*g*rsqrt(d)."""
-
-    def _slot_names(self, optimizer):
-        names = ("velocity",)
-        if optimizer.momentum > 0:
-            names += ("momentum",)
-        if optimizer.centered:
-            names += ("average_gradient",)
-        return names
-
-    def _slot_attrs(self, optimizer):
-        attrs = {"velocity": "_velocities", "momentum": "_momentums",
-                 "average_gradient": "_average_gradients"}
-        return tuple(attrs[name] for name in self.slot_names)
-
-    def _hyper(self, optimizer, dtype):
-        h = super()._hyper(optimizer, dtype)
-        rho = _value(optimizer.rho)
-        h["rho"] = _cast(rho, dtype)
-        h["one_minus_rho"] = _one_minus(rho, dtype)
-        h["momentum"] = _cast(optimizer.momentum, dtype)
-        h["epsilon"] = _cast(optimizer.epsilon, dtype)
-        return h
-
-    def _rule(self, h, w, slots, g):
-        new = {}
-        v = h["rho"] * slots["velocity"] + h["one_minus_rho"] * tf.square(g)
-        new["velocity"] = v
-        if "average_gradient" in self.slot_names:
-            a = h["rho"] * slots["average_gradient"] + h["one_minus_rho"] * g
-            new["average_gradient"] = a
-            denominator = v - tf.square(a) + h["epsilon"]
-        else:
-            denominator = v + h["epsilon"]
-        if self._flavour == _KERAS:
-            increment = (h["lr"] * g) / tf.sqrt(denominator)
-        else:
-            increment = h["lr"] * g * tf.math.rsqrt(denominator)
-        if "momentum" in self.slot_names:
-            p = h["momentum"] * slots["momentum"] + increment
-            new["momentum"] = p
-            return w - p, new
-        return w - increment, new
+@contextlib.contextmanager
+def _without_xla(optimizer):
+    """tf_keras compiles updates with XLA on GPU machines, as functions of the variable
+    (here a stand-in for rows): update in the strategy's graph instead."""
+    jit_compile = getattr(optimizer, "jit_compile", False)
+    if jit_compile:
+        optimizer.jit_compile = False
+    try:
+        yield
+    finally:
+        if jit_compile:
+            optimizer.jit_compile = jit_compile
 
 
-# Helpers ----------------------------------------------------------------------
+def _slots_of(optimizer, table):
+    """The optimizer's slot tables of `table`: the strategy names them '<table path>/<slot>'."""
+    prefix = table.path + "/"
+    slots = []
+    for variable in optimizer.variables:
+        slot = _table_behind(variable)
+        if slot is not None and slot.path.startswith(prefix):
+            slots.append(slot)
+    return slots
 
 
-def _flavour_of(optimizer):
-    """'keras', 'tf_keras', 'tf_keras_legacy' for the supported classes' kin, else None.
+def _dense(grad, shard):
+    if not isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    shape = tf.shape(shard, out_type=grad.indices.dtype)
+    with tf.device(shard.device):
+        return tf.scatter_nd(tf.expand_dims(grad.indices, -1), grad.values, shape)
 
-    Only modules already imported are consulted: an optimizer object of a
-    flavour implies that flavour is loaded.
-    """
-    cls = type(optimizer)
-    if cls.__name__ not in _SUPPORTED_NAMES:
-        return None
-    keras_optimizers = _loaded_attr("keras", "optimizers")
-    if keras_optimizers is not None and getattr(keras_optimizers, cls.__name__, None) is cls:
-        return _KERAS
-    tf_keras_optimizers = _loaded_attr("tf_keras", "optimizers")
-    if tf_keras_optimizers is not None:
-        if getattr(tf_keras_optimizers, cls.__name__, None) is cls:
-            return _TF_KERAS
-        legacy = getattr(tf_keras_optimizers, "legacy", None)
-        if legacy is not None and getattr(legacy, cls.__name__, None) is cls:
-            return "tf_keras_legacy"
+
+# Weight decays waiting for their table's update in this step (lazy mode), by graph.
+_DEFERRED_DECAYS = weakref.WeakKeyDictionary()
+
+
+def _graph():
+    return tf.compat.v1.get_default_graph()
+
+
+def _take_deferred_decays(table):
+    return _DEFERRED_DECAYS.get(_graph(), {}).pop(table.ref(), [])
+
+
+# Which optimizers ----------------------------------------------------------------
+
+
+def _table_behind(variable):
+    """The PS table a variable is (tf_keras) or wraps (Keras 3), else None."""
+    if table_lib.is_table(variable):
+        return variable
+    value = getattr(variable, "_value", None)
+    return value if table_lib.is_table(value) else None
+
+
+def _flavour(optimizer):
+    for flavour, module, base in ((_KERAS, "keras", "Optimizer"),
+                                  (_TF_KERAS, "tf_keras", "Optimizer")):
+        optimizers = getattr(sys.modules.get(module), "optimizers", None)
+        if optimizers is not None and isinstance(optimizer, getattr(optimizers, base)):
+            return flavour
+        legacy = getattr(optimizers, "legacy", None)
+        if legacy is not None and isinstance(optimizer, legacy.Optimizer):
+            return _LEGACY
     return None
 
 
-def _loaded_attr(module_name, attr):
-    module = sys.modules.get(module_name)
-    return None if module is None else getattr(module, attr, None)
+def _rule_of(optimizer):
+    """(flavour, name of the shipped class whose `update_step` `optimizer` runs or None)."""
+    flavour = _flavour(optimizer)
+    if flavour not in (_KERAS, _TF_KERAS):
+        return flavour, None
+    optimizers = sys.modules[flavour].optimizers
+    for cls in type(optimizer).__mro__:
+        if "update_step" in vars(cls):
+            shipped = getattr(optimizers, cls.__name__, None) is cls
+            return flavour, cls.__name__ if shipped else None
+    return flavour, None
+
+
+def _problem(optimizer):
+    """Why `optimizer` cannot update a PS table, or None."""
+    flavour, name = _rule_of(optimizer)
+    if flavour == _LEGACY:
+        return (f"tf_keras' legacy optimizers apply fused kernels to whole variables; use "
+                f"tf_keras.optimizers.{type(optimizer).__name__} (the non-legacy class)")
+    if name not in _COUPLINGS:
+        shipped = ", ".join(sorted(_COUPLINGS))
+        return (f"its update rule is not one shipped with Keras 3 or tf_keras ({shipped}, "
+                "and their subclasses that keep the shipped update_step)")
+    if flavour == _TF_KERAS and name == "Nadam":
+        return ("tf_keras' Nadam counts its momentum schedule in Python, which a traced "
+                "step miscounts (its product decays once per variable and step, on one "
+                "device too), so no placement trains it as written; use Keras 3's "
+                "keras.optimizers.Nadam, or another optimizer")
+    problems = []
+    if getattr(optimizer, "use_ema", False):
+        problems.append("use_ema=True (the moving average moves every row each step, and "
+                        "Keras reads the table whole to update it in every replica)")
+    if flavour == _KERAS and optimizer.gradient_accumulation_steps:
+        problems.append(f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+                        " (Keras accumulates gradients in dense buffers the size of the "
+                        "table)")
+    if flavour == _TF_KERAS and getattr(optimizer, "_mesh", None) is not None:
+        problems.append("a DTensor mesh")
+    return "; ".join(problems) or None
 
 
 def _describe(optimizer):
@@ -518,96 +571,6 @@ def _describe(optimizer):
     return f"{cls.__qualname__} (from {cls.__module__})"
 
 
-def _check_settings(optimizer, flavour):
-    name = f"{flavour}.optimizers.{type(optimizer).__name__}"
-    problems = []
-    weight_decay = getattr(optimizer, "weight_decay", None)
-    if weight_decay is not None and not (
-            isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        problems.append(
-            f"weight_decay={weight_decay!r} (Keras shrinks every row of the variable "
-            "each step, var -= lr * weight_decay * var; set weight_decay=None)")
-    if getattr(optimizer, "use_ema", False):
-        problems.append(
-            "use_ema=True (Keras averages every row into a moving average each "
-            "step; set use_ema=False)")
-    if flavour == _KERAS and getattr(optimizer, "gradient_accumulation_steps", None):
-        problems.append(
-            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} "
-            "(Keras accumulates gradients in dense buffers and updates every N-th "
-            "step; leave it None)")
-    if flavour == _TF_KERAS and getattr(optimizer, "_mesh", None) is not None:
-        problems.append("a DTensor mesh")
-    if problems:
-        raise UnsupportedOptimizerError(
-            f"{name} with {'; '.join(problems)} has no row-sparse update rule. "
-            f"Supported are {_SUPPORTED_TEXT} without weight decay, EMA or gradient "
-            f"accumulation (clipping and loss_scale_factor are fine). {_WHAT_TO_DO}")
-
-
-def _variable_index(optimizer, variable, flavour):
-    """Position of `variable` in the optimizer's per-variable slot lists."""
-    try:
-        if flavour == _KERAS:
-            return optimizer._get_variable_index(variable)
-        return optimizer._index_dict[optimizer._var_key(variable)]
-    except (KeyError, AttributeError) as e:
-        raise ValueError(
-            f"{type(optimizer).__name__} has no slots for {getattr(variable, 'name', variable)!r}:"
-            " build the optimizer on it first (optimizer.build([...]) or one training "
-            "step)") from e
-
-
-def _tf_variable(value):
-    """The tf.Variable behind a keras.Variable; a tf.Variable itself."""
-    if isinstance(value, tf.Variable):
-        return value
-    for attr in ("value", "_value"):     # `value` may be an autocast tensor
-        inner = getattr(value, attr, None)
-        if isinstance(inner, tf.Variable):
-            return inner
-    raise TypeError(f"expected a tf.Variable or keras.Variable, got {type(value).__name__}")
-
-
-def _learning_rate(optimizer, flavour, dtype):
-    if flavour == _TF_KERAS:
-        schedules = sys.modules["tf_keras"].optimizers.schedules
-        lr = optimizer._learning_rate
-        if isinstance(lr, schedules.LearningRateSchedule):
-            # tf_keras stores schedule(iterations) in a variable at the start of
-            # apply_gradients; compute the same value directly.
-            lr = lr(optimizer.iterations)
-        else:
-            lr = optimizer.learning_rate
-    else:
-        lr = optimizer.learning_rate     # Keras 3 evaluates schedules and callables
-    return tf.cast(tf.convert_to_tensor(lr), dtype)
-
-
-def _value(hyperparameter):
-    return hyperparameter() if callable(hyperparameter) else hyperparameter
-
-
-def _cast(value, dtype):
-    return tf.cast(_value(value), dtype)
-
-
-def _one_minus(value, dtype):
-    """1 - value, in Python arithmetic for numbers (as Keras writes `1 - self.beta_1`)."""
-    if isinstance(value, (int, float)):
-        return tf.constant(1 - value, dtype)
-    return 1 - tf.cast(value, dtype)
-
-
-def _densify(grad, variable):
-    indices = grad.indices
-    shape = tf.shape(variable, out_type=indices.dtype)
-    values = tf.cast(grad.values, variable.dtype)
-    return tf.scatter_nd(tf.expand_dims(indices, -1), values, shape)
-
-
-def _op(result):
-    """The update op behind a scatter's return value (None when eager)."""
-    if tf.executing_eagerly():
-        return None
-    return getattr(result, "op", result)
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -18,6 +18,7 @@ print(strategy.placement)
 """
 
 import atexit
+import contextlib
 import functools
 import inspect
 import itertools
@@ -54,9 +55,14 @@ from hybrid_strategy import clipping
 from hybrid_strategy import cluster as cluster_lib
 from hybrid_strategy import communication
 from hybrid_strategy import creation
+from hybrid_strategy import data_service
+from hybrid_strategy import hierarchical_allreduce
 from hybrid_strategy import liveness
+from hybrid_strategy import mirroring
 from hybrid_strategy import multi_step
+from hybrid_strategy import penalties
 from hybrid_strategy import placement as placement_lib
+from hybrid_strategy import service_input
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
 
@@ -70,8 +76,7 @@ _connected_cluster = None
 _collective_key_bases = itertools.count(1 << 24, 1 << 12)
 
 
-class PlacementWarning(UserWarning):
-    """A variable's placement does not fit the type of gradient it receives."""
+PlacementWarning = placement_lib.PlacementWarning
 
 
 class HybridStrategy(tf.distribute.MirroredStrategy):
@@ -90,7 +95,10 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
     Placement is decided when a layer builds its weights: weights of Keras
     `Embedding` layers (and subclasses) go to a PS task, everything else is
     mirrored; a Keras 3 weight read by row (`tf.gather`, `ops.take`,
-    `tf.nn.embedding_lookup`) moves to a PS task at its first row read.
+    `tf.nn.embedding_lookup`) moves to a PS task at its first row read, and a
+    Keras 3 table whose gradient turns out dense (a tied output projection)
+    moves to mirrored after `fit`'s first step. Regularizers of PS tables are
+    computed on their PS tasks (penalties.py).
     `placement_overrides` changes that per layer or variable, and
     `strategy.placement` shows the result, by the paths of `model.weights`.
 
@@ -115,11 +123,16 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             shards of at least this many bytes (default 1 MiB): smaller tables stay
             whole on one task.
         table_shards: `{pattern: number of shards}` for chosen tables.
-        sparse_update: How PS tables apply optimizers whose dense form also moves
-            rows without gradient (SGD with momentum, Adam, RMSprop): "lazy"
-            (default: only the step's rows and their slots change, so a step costs
-            the same whatever the table size) or "exact" (every row, identical to
-            single-device training). SGD and Adagrad are exact either way.
+        max_mirrored_bytes: A PS table that gets a dense gradient moves to
+            mirrored if it takes, with its optimizer slots, at most this many
+            bytes on each worker (default 2 GiB); a larger one stays, with a
+            warning. 0 keeps every table on its PS.
+        sparse_update: Which rows of a PS table the optimizer's update moves:
+            "lazy" (default: the step's rows and their slots, so a step costs the
+            same whatever the table size) or "exact" (every row, identical to
+            single-device training with dense gradients). SGD without momentum and
+            Adagrad are exact either way; Adafactor and Muon's own update always
+            update the whole table (sparse_optimizers.py).
         devices: Single-machine mode only: the local devices to replicate over
             (default: every GPU, else the CPU).
         communication_options: `tf.distribute.experimental.CommunicationOptions`
@@ -128,7 +141,9 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
         task_timeout: Seconds a worker or ps task may stop answering during
             training before this process reports it and exits with code 75
             (EX_TEMPFAIL): the in-graph step cannot finish without it, and
-            TensorFlow would otherwise wait forever. None disables the check.
+            TensorFlow would otherwise wait forever; the same for the tf.data
+            service dispatcher named in HYBRID_STRATEGY_DATA_SERVICE, if set.
+            None disables the check.
         asynchronous: With architecture "ps": each worker trains on its own
             batches and applies its own updates, without waiting for the other
             workers, as Parallax's asynchronous PS training (asynchronous.py says
@@ -137,7 +152,9 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, cluster_resolver=None, *, architecture="hybrid",
                  placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
-                 table_shards=None, sparse_update="lazy", devices=None,
+                 table_shards=None,
+                 max_mirrored_bytes=placement_lib.DEFAULT_MAX_MIRRORED_BYTES,
+                 sparse_update="lazy", devices=None,
                  communication_options=None, connect_timeout=60.0, task_timeout=60.0,
                  asynchronous=False):
         if cluster_resolver is not None:
@@ -150,7 +167,8 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
         extended = HybridExtended(
             self, config, architecture=architecture,
             placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards, sparse_update=sparse_update, devices=devices,
+            table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes,
+            sparse_update=sparse_update, devices=devices,
             communication_options=communication_options,
             connect_timeout=connect_timeout, task_timeout=task_timeout,
             asynchronous=asynchronous)
@@ -190,9 +208,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     """The strategy's implementation: placement, sparse aggregation, PS updates."""
 
     def __init__(self, container_strategy, config, *, architecture,
-                 placement_overrides, min_shard_bytes, table_shards, sparse_update,
-                 devices, communication_options, connect_timeout, task_timeout,
-                 asynchronous):
+                 placement_overrides, min_shard_bytes, table_shards, max_mirrored_bytes,
+                 sparse_update, devices, communication_options, connect_timeout,
+                 task_timeout, asynchronous):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -203,7 +221,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.policy = placement_lib.PlacementPolicy(
             architecture, num_ps=config.num_ps if config else 0,
             overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards, asynchronous=asynchronous)
+            table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes,
+            asynchronous=asynchronous)
         # Asynchronous steps run on one worker each: while the strategy works for one
         # (`WorkerScope`), it replicates over that worker's devices only.
         self.worker_scope = asynchronous_lib.WorkerScope() if asynchronous else None
@@ -222,7 +241,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             _check_cluster(config, architecture)
             worker_devices, ps_devices = _connect(config, connect_timeout)
             if task_timeout is not None:
-                liveness.HealthMonitor(config, task_timeout, liveness.exit_on_lost_task).start()
+                liveness.HealthMonitor(config, task_timeout, liveness.exit_on_lost_task,
+                                       services=data_service.watched()).start()
         self._ps_devices = ps_devices
         self._devices = tuple(worker_devices)
         hosts = {}
@@ -239,18 +259,31 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         chosen = communication.dense_options(self._devices, config is not None)
         if chosen is not None:
             self._communication_options = self._communication_options.merge(chosen)
-        _assign_instance_keys_when_traced(self._collective_ops)
+        # TF-private: the per-replica collective launchers of CollectiveAllReduce.
+        _assign_instance_keys_when_traced(getattr(self._collective_ops, "_launchers", ()))
         if communication_options is not None:
             self._communication_options = self._communication_options.merge(
                 communication_options)
+        self._dense_all_reduce = None
+        if hierarchical_allreduce.applies(
+                self._devices, self._communication_options.implementation.value):
+            self._dense_all_reduce = hierarchical_allreduce.HierarchicalAllReduce(
+                self._devices, self._collective_keys, self._communication_options)
+            _assign_instance_keys_when_traced(self._dense_all_reduce.launchers)
         self._cross_device_ops = self._collective_ops
         self._inferred_cross_device_ops = self._collective_ops
         self.experimental_enable_get_next_as_optional = True
         self._use_var_policy = False
-        # Mirrored variable -> its VariableInfo, and the Keras 3 slots made beside
-        # it (weak references), for moving it to a PS when it is read by row.
+        # Mirrored variable -> its VariableInfo, and mirrored variable or table ->
+        # the Keras 3 slots made beside it (weak references), for moving it to a PS
+        # when it is read by row; table -> its Keras 3 variable, for moving it to
+        # mirrored when its gradient is dense (`mirror_dense_tables`).
         self._variable_infos = {}
         self._slots_of = {}
+        self._keras_variables = {}
+        # Path -> PS table found to get a dense gradient in Keras' first step.
+        self._dense_tables = {}
+        self._mirroring_after_step = False
         self._overrides_checked = False
         self.gradient_types = {}
         self.ps_aggregated = set()
@@ -307,8 +340,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "(the strategy unrolls its N steps, except for tf_keras' predict and "
                 "autotuned steps_per_execution); run your own loop in Python, or call "
                 "strategy.run once per traced function.")
-        # Mean losses check, while the replicas' steps are traced, that the global
-        # batch was split evenly (batches.py).
+        # Keras' losses weight each replica by its share of the global batch, read
+        # while the replicas' steps are traced (batches.py).
         self.step_batch_sizes = batches.replica_batch_sizes(
             args, kwargs, self._num_replicas_in_sync)
         try:
@@ -317,14 +350,14 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             self.step_batch_sizes = None
 
     def _experimental_distribute_dataset(self, dataset, options):
+        batches.check_dataset(dataset)
+        service_input.check_dataset(dataset, len(self._input_workers_devices))
         if self.worker_scope:
             # Each step trains one global batch on one worker's replicas.
-            batches.check_dataset(dataset, self.replicas_per_worker)
             return asynchronous_lib.AsyncDataset(
                 self._container_strategy(), self.worker_scope, dataset, options,
                 lambda: super(HybridExtended, self)._experimental_distribute_dataset(
                     dataset, options))
-        batches.check_dataset(dataset, self._num_replicas_in_sync)
         return super()._experimental_distribute_dataset(dataset, options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
@@ -341,29 +374,33 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
         context = creation.creation_context()
-        if table_lib.is_table(colocate_with):
-            # An optimizer slot of a PS table: sharded exactly like the table.
-            kwargs.pop("colocate_with")
-            path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
-            return self._create_table(next_creator, kwargs, path, colocate_with.shape,
-                                      colocate_with.devices, context.initializer)
         if self.worker_scope and asynchronous_lib.is_shared(colocate_with):
             return asynchronous_lib.create_shared(
                 next_creator, kwargs, colocate_with.device, self._container_strategy(),
                 self.replicas_per_worker)
         if colocate_with is not None:
-            # A slot of a mirrored variable: it moves with the variable.
-            variable = super()._create_variable(next_creator, **kwargs)
+            # An optimizer slot: a PS table's is sharded exactly like the table, a
+            # mirrored variable's is mirrored; Keras 3's move with their variable.
+            if table_lib.is_table(colocate_with):
+                kwargs.pop("colocate_with")
+                path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
+                slot = self._create_table(next_creator, kwargs, path, colocate_with.shape,
+                                          colocate_with.devices, context.initializer)
+            else:
+                slot = super()._create_variable(next_creator, **kwargs)
             if context.keras_variable is not None:
                 self._slots_of.setdefault(colocate_with.ref(), []).append(
                     weakref.ref(context.keras_variable))
-            return variable
+            return slot
         info = creation.describe_variable(kwargs, context)
         decided = self.policy.decide(info)
         if decided.kind == placement_lib.PS:
             devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
-            return self._create_table(next_creator, kwargs, info.path, info.shape,
-                                      devices, context.initializer)
+            table = self._create_table(next_creator, kwargs, info.path, info.shape,
+                                       devices, context.initializer)
+            if context.keras_variable is not None:
+                self._keras_variables[table.ref()] = weakref.ref(context.keras_variable)
+            return table
         if (decided.kind == placement_lib.SHARED
                 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
             return asynchronous_lib.create_shared(
@@ -421,6 +458,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 slot._value = self._table_from(
                     slot._value, f"{info.path}/{slot.name}", devices, table_lib.ShardedTable)
         keras_variable._value = table
+        self._keras_variables[table.ref()] = weakref.ref(keras_variable)
+        self._slots_of[table.ref()] = [weakref.ref(slot) for slot in slots]
         # The mirrored copies are not kept (the table is the variable now).
         del self._variable_infos[mirrored.ref()]
         return table
@@ -457,8 +496,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 collective.append(i)
                 continue
             components = _components(value)
+            self._record_gradient_type(table, isinstance(components[0], tf.IndexedSlices))
             if isinstance(components[0], tf.IndexedSlices):
+                components, penalty = penalties.without_markers(components, table)
                 sums = communication.sum_sparse(components, self._devices, table)
+                sums = penalties.with_gradient(sums, penalty, table)
             else:
                 sums = communication.sum_dense(components, self._devices, table)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -466,13 +508,23 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             total = communication.shard_summed(sums, table)
             results[i] = values_lib.Mirrored((total,) * self._num_replicas_in_sync)
             self.ps_aggregated.add(table.path)
+        # A PS table as destination (tf_keras names the variables) would make TF
+        # reduce value by value; its update reads one replica's copy anyway.
+        pairs = {i: (value, value if table_lib.is_table(destinations) else destinations)
+                 for i, (value, destinations) in
+                 ((i, value_destination_pairs[i]) for i in collective)}
+        per_worker = [i for i in collective if self._dense_all_reduce is not None
+                      and self._dense_all_reduce.accepts(_components(pairs[i][0]),
+                                                         pairs[i][1])]
+        if per_worker:
+            reduced = self._dense_all_reduce.all_reduce(
+                reduce_op, [_components(pairs[i][0]) for i in per_worker], options)
+            for i, values in zip(per_worker, reduced):
+                results[i] = distribute_utils.regroup(tuple(values), values_lib.Mirrored)
+        collective = [i for i in collective if i not in per_worker]
         if collective:
-            # A PS table as destination (tf_keras names the variables) would make
-            # TF reduce value by value; its update reads one replica's copy anyway.
-            pairs = [(value, value if table_lib.is_table(destinations) else destinations)
-                     for value, destinations in
-                     (value_destination_pairs[i] for i in collective)]
-            reduced = super()._batch_reduce_to(reduce_op, pairs, options)
+            reduced = super()._batch_reduce_to(reduce_op, [pairs[i] for i in collective],
+                                               options)
             for i, value in zip(collective, reduced):
                 results[i] = _merge_duplicate_rows(value)
         return results
@@ -488,42 +540,52 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):
-        """Applies an optimizer step shard by shard, each on its PS, row-sparse.
+        """Runs an optimizer's update of a PS table on its ps tasks (sparse_optimizers.py).
 
-        Other updates (assignments, weight decay) run `fn` on the table itself,
-        whose methods write each shard on its own device.
+        Other updates (assignments) run `fn` on the table itself, whose methods
+        write each shard on its own device.
         """
         args = distribute_utils.select_replica(0, args)
         kwargs = distribute_utils.select_replica(0, kwargs)
         optimizer = _optimizer_of(fn)
         grad = args[0] if args else None
-        with distribute_lib.UpdateContext(0):
-            if optimizer is None or not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+        if optimizer is not None and isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+            sparse_optimizers.check(optimizer, table.path)
+            # Not in an update context: writes of mirrored optimizer state (tf_keras'
+            # Adafactor and Nadam) then reach every replica's copy.
+            result = sparse_optimizers.update_table(
+                optimizer, fn, table, _shard_gradients(grad, table), args[1:], kwargs,
+                mode=self.sparse_update, concurrent=self.worker_scope is not None)
+        elif optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
+            sparse_optimizers.check(optimizer, table.path)
+            result = sparse_optimizers.decay_table(optimizer, fn, table,
+                                                   mode=self.sparse_update,
+                                                   concurrent=self.worker_scope is not None)
+        else:
+            with distribute_lib.UpdateContext(0):
                 result = fn(table, *args, **kwargs)
-            else:
-                updater = sparse_optimizers.row_updater(optimizer)
-                slots = {name: _table_of(slot) for name, slot
-                         in updater.slots(optimizer, table).items()}
-                updates = []
-                for k, part in enumerate(_shard_gradients(grad, table)):
-                    with tf.device(table.shards[k].device), tf.name_scope(f"ps_update_{k}"):
-                        updates.append(updater.apply(
-                            optimizer, table.shards[k],
-                            {name: slot.shards[k] for name, slot in slots.items()},
-                            part, mode=self.sparse_update,
-                            concurrent=self.worker_scope is not None))
-                result = tf.group(updates)
         return distribute_utils.update_regroup(self, [result], group)
 
     def _note_gradient_type(self, var, args):
         """Records each trainable variable's gradient type; warns once on a misfit."""
+        if not args:
+            return
+        grad = distribute_utils.select_replica(0, args[0])
+        if isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
+            self._record_gradient_type(var, isinstance(grad, tf.IndexedSlices))
+
+    def _record_gradient_type(self, var, sparse):
+        """Records a trainable variable's gradient type in a traced training step.
+
+        A PS table's type is what its replicas' gradients are (`_batch_reduce_to`
+        records it before a penalty's gradient is added on the PS). A misfit is
+        warned about once; a PS table with a dense gradient in Keras' first step is
+        noted for `mirror_dense_tables` instead.
+        """
         # Eager updates are assignments (set_weights, restores), not training steps.
-        if not args or not tf.inside_function() or not getattr(var, "trainable", False):
+        if not tf.inside_function() or not getattr(var, "trainable", False):
             return
         self._check_overrides_once()
-        grad = distribute_utils.select_replica(0, args[0])
-        if not isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
-            return
         if table_lib.is_table(var):
             path, kind = var.path, placement_lib.PS
         else:
@@ -531,14 +593,64 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             path, kind = info and info.path, placement_lib.MIRRORED
         if path is None or path in self.gradient_types:
             return
-        sparse = isinstance(grad, tf.IndexedSlices)
         self.gradient_types[path] = "sparse" if sparse else "dense"
+        if kind == placement_lib.PS and not sparse and self._mirroring_after_step:
+            self._dense_tables[path] = var
+            return
         advice = placement_lib.gradient_misfit(kind, sparse)
         if advice:
-            warnings.warn(
-                f"HybridStrategy: variable '{path}' {advice} (override with "
-                f"placement_overrides={{'{path}': ...}}). Training stays correct.",
-                PlacementWarning, stacklevel=2)
+            _warn_misfit(path, f"{advice} (override with placement_overrides="
+                               f"{{'{path}': ...}})")
+
+    @contextlib.contextmanager
+    def mirroring_after_step(self):
+        """While Keras' first training step runs (mirroring.py): PS tables found to get
+        a dense gradient are noted for `mirror_dense_tables`, not warned about."""
+        self._mirroring_after_step = True
+        try:
+            yield
+        finally:
+            self._mirroring_after_step = False
+
+    def mirror_dense_tables(self):
+        """Moves the PS tables noted in `mirroring_after_step` to mirrored; True if any moved.
+
+        A Keras 3 table moves with its value and optimizer slots (its Keras
+        variable and theirs wrap mirrored variables from then on), unless it stays
+        (`_stays_on_ps`); one that stays is warned about, saying why. The step must
+        then be traced again.
+        """
+        tables, self._dense_tables = self._dense_tables, {}
+        moved = False
+        for path, table in tables.items():
+            why = self._stays_on_ps(table)
+            if why is not None:
+                _warn_misfit(path, "is on a PS but gets a dense gradient: the whole "
+                                   f"variable crosses the network every step. It stays "
+                                   f"on the PS: {why}")
+                continue
+            self.policy.move_to_mirrored(path, "dense gradient (moved after the first step)")
+            keras_variable = self._keras_variables.pop(table.ref())()
+            slots = [ref() for ref in self._slots_of.pop(table.ref(), ())]
+            with tf.init_scope():
+                mirrored = mirroring.mirrored_copy(self, table, replaced_id=table._unique_id)
+                for slot in (slot for slot in slots if slot is not None):
+                    slot._value = mirroring.mirrored_copy(self, slot._value)
+            keras_variable._value = mirrored
+            self._variable_infos[mirrored.ref()] = placement_lib.VariableInfo(
+                path, tuple(table.shape.as_list()), table.dtype.size)
+            moved = True
+        return moved
+
+    def _stays_on_ps(self, table):
+        """Why a PS table with a dense gradient cannot move to mirrored, or None."""
+        keras_variable = self._keras_variables.get(table.ref(), lambda: None)()
+        if keras_variable is None:
+            return "it is not the value of a Keras 3 variable, which could be replaced"
+        slots = sum(s() is not None for s in self._slots_of.get(table.ref(), ()))
+        replicas = max(len(devices) for _, devices in self._input_workers_devices)
+        nbytes = table.shape.num_elements() * table.dtype.size
+        return self.policy.stays_on_ps(table.path, nbytes * (1 + slots) * replicas)
 
     def _check_overrides_once(self):
         """Warns, at the first traced training step, about overrides that matched nothing."""
@@ -553,6 +665,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "variable. Patterns match a variable's path as in model.weights, its "
                 f"'layer/variable' tail, or a layer name on the path; known paths: "
                 f"{known or '(none)'}.", PlacementWarning, stacklevel=3)
+
+
+def _warn_misfit(path, advice):
+    warnings.warn(f"HybridStrategy: variable '{path}' {advice}. Training stays correct.",
+                  PlacementWarning, stacklevel=4)
 
 
 class _MovedTable(table_lib.ShardedTable):
@@ -588,25 +705,32 @@ def _under_hybrid_strategy():
 def _install_keras_hooks():
     """What HybridStrategy changes in Keras 3, and in tf_keras when `tf.keras` is it.
 
-    Each hook acts only under a HybridStrategy: PS tables' row reads and export
-    (table.py), moving a mirrored variable read by row to a PS (`move_to_ps`), the
-    layer each weight belongs to (creation.py), clipping of the summed gradient
-    (clipping.py), id checks in Embedding layers (table.py), the even split of
-    batches (batches.py), tables in Keras weight files (checkpointing.py),
-    several steps per call without a tf.while_loop (multi_step.py) and
-    asynchronous training (asynchronous.py).
+    Each hook acts only under a HybridStrategy (or on PS tables): PS tables' row
+    reads and export (table.py), moving a mirrored variable read by row to a PS
+    (`move_to_ps`), moving PS tables with dense gradients to mirrored after Keras'
+    first training step (mirroring.py), the layer each weight belongs to
+    (creation.py), clipping of the summed gradient (clipping.py), regularizers of
+    PS tables computed on their PS (penalties.py), id checks in Embedding layers
+    (table.py), losses weighted by each replica's rows (batches.py), tables in Keras
+    weight files (checkpointing.py), several steps per call without a tf.while_loop
+    (multi_step.py), whole epochs of datasets read from the tf.data service
+    (service_input.py) and asynchronous training (asynchronous.py).
     """
     import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
 
     table_lib.install_keras_hook()
     table_lib.on_row_read(_move_to_ps_on_row_read)
+    mirroring.install_keras_hook(_hybrid_extended)
     creation.install_layer_tags()
     checkpointing.install_hooks()
     multi_step.install(_spans_devices)
     asynchronous_lib.install(_asynchronous_scope)
     clipping.install_keras_hook(_under_hybrid_strategy)
+    sparse_optimizers.install_keras_hooks()
     batches.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
+    service_input.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
     legacy = batches.legacy_keras()
+    penalties.install_keras_hooks(legacy)
     for keras_module in (keras, legacy) if legacy is not None else (keras,):
         table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)
 
@@ -617,16 +741,15 @@ def _components(value):
     return (value,)
 
 
-def _assign_instance_keys_when_traced(collective_ops):
-    """Fixes each all-reduce's collective instance key when the step is traced.
+def _assign_instance_keys_when_traced(launchers):
+    """Fixes the collective instance keys of `launchers` when the step is traced.
 
     By default TensorFlow feeds every all-reduce a new instance key at every call: a
     tensor made on this process and sent to every worker, each step, so that workers
     tracing at different times agree. Here one process traces every replica, so keys
     fixed at trace time agree as well, and none crosses the network.
     """
-    # TF-private: the per-replica collective launchers of CollectiveAllReduce.
-    for launcher in getattr(collective_ops, "_launchers", ()):
+    for launcher in launchers:
         launcher._use_unique_instance_key = lambda: False
 
 
@@ -637,6 +760,10 @@ def _asynchronous_scope(strategy):
 
 def _spans_devices(strategy):
     return isinstance(strategy, HybridStrategy) and strategy.extended.spans_devices
+
+
+def _hybrid_extended(strategy):
+    return strategy.extended if isinstance(strategy, HybridStrategy) else None
 
 
 def _inside_while_loop():
@@ -685,7 +812,10 @@ def _shard_gradients(grad, table):
     if sums is not None:
         return list(sums)
     if isinstance(grad, tf.IndexedSlices):
-        return table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
+        (grad,), penalty = penalties.without_markers([grad], table)
+        parts = table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
+        return penalties.with_gradient(parts, penalty, table)
+    penalties.check_not_dropped(table)
     return table_lib.split_dense(grad, table.num_shards)
 
 
@@ -750,16 +880,35 @@ def _connect(config, timeout):
             "This process is already connected to another cluster "
             f"({_connected_cluster}); TensorFlow supports one per process. Create "
             "every HybridStrategy of a program with the same cluster.")
-    devices = tf.config.list_logical_devices()
-    worker_devices = []
-    for index in range(config.num_workers):
-        task = f"/job:worker/replica:0/task:{index}/"
-        on_task = [d.name for d in devices if d.name.startswith(task)]
-        gpus = [d for d in on_task if "/device:GPU:" in d]
-        worker_devices += gpus or [task + "device:CPU:0"]
+    worker_devices = _replica_devices(config.num_workers, tf.config.list_logical_devices())
     ps_devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0"
                   for i in range(config.num_ps)]
     return worker_devices, ps_devices
+
+
+def _replica_devices(num_workers, devices):
+    """Each worker's replicas: its GPUs, else every CPU device its server exposes.
+
+    A server exposes one CPU device unless started with `--cpu-devices N`. Every
+    worker must have as many replicas (tf.distribute splits each global batch so).
+    """
+    per_worker = []
+    for index in range(num_workers):
+        on_task = [tf.DeviceSpec.from_string(d.name) for d in devices
+                   if d.name.startswith(f"/job:worker/replica:0/task:{index}/")]
+        gpus = [d for d in on_task if d.device_type == "GPU"]
+        cpus = [d for d in on_task if d.device_type == "CPU"]
+        chosen = sorted(gpus or cpus, key=lambda d: d.device_index)
+        per_worker.append([d.to_string() for d in chosen] or [
+            f"/job:worker/replica:0/task:{index}/device:CPU:0"])
+    counts = [len(replicas) for replicas in per_worker]
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"worker {i}: {n}" for i, n in enumerate(counts))
+        raise cluster_lib.ClusterConfigError(
+            f"The workers have different numbers of replicas ({listed}); every worker needs "
+            "as many. Start every worker's server with the same --cpu-devices, or give "
+            "every worker as many GPUs.")
+    return [device for replicas in per_worker for device in replicas]
 
 
 def _keep_functions_at_exit():

@@ -63,6 +63,8 @@ from hybrid_strategy.placement import shard_rows
 
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
 _LOOKUPS = weakref.WeakKeyDictionary()
+# graph -> refs of the tables read whole there while a gradient tape recorded
+_WHOLE_READS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
 _PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
 # Functions called with a Keras 3 variable read by row that wraps no table (`on_row_read`).
@@ -105,6 +107,9 @@ class ShardedTable(tf.Variable):
         self.num_shards = len(rows)
         self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
         self._saving_variable = None
+        # While an optimizer updates some rows of the table (sparse_optimizers.py): the
+        # object standing in for them, which whole reads and writes go to instead.
+        self.rows_view = None
 
     # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
 
@@ -220,6 +225,8 @@ class ShardedTable(tf.Variable):
 
     def _write_rows(self, value, method):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if self.rows_view is not None:
+            return self.rows_view.write(method, value)
         ops = []
         for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
             with tf.device(shard.device):
@@ -435,6 +442,8 @@ def _tracing_for_export():
 
 def _read_whole(table):
     """The whole table as one tensor; its gradient flows to the table's handle."""
+    if table.rows_view is not None:
+        return table.rows_view.read()
     if _tracing_for_export():
         return gen_resource_variable_ops.read_variable_op(
             table.saving_variable.handle, table.dtype)
@@ -445,8 +454,19 @@ def _read_whole(table):
                 parts.append(gen_resource_variable_ops.read_variable_op(
                     shard.handle, table.dtype))
         whole = join_dense(parts)
-    _record_gradient(table, whole, lambda dy: _remember(tf.identity(dy), table))
+    record_gradient(table, whole, lambda dy: remember_gradient(tf.identity(dy), table))
+    if not tf.executing_eagerly() and record.could_possibly_record():
+        _WHOLE_READS.setdefault(whole.graph, set()).add(table.ref())
     return whole
+
+
+def read_whole_with_gradient(table):
+    """Whether a traced function being built has read `table` whole under a gradient tape.
+
+    Its gradient is then dense whatever else reads it.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    return table.ref() in _WHOLE_READS.get(graph, ())
 
 
 def lookup(table, ids, name=None):
@@ -465,7 +485,7 @@ def lookup(table, ids, name=None):
         unique_ids = _checked(unique_ids, table)
         exporting = _tracing_for_export()
         if not exporting:
-            _remember(unique_ids, table)
+            remember_gradient(unique_ids, table)
         with record.stop_recording():
             out = tf.gather(_gather_rows(table, unique_ids, exporting), positions)
         if not exporting:  # a served function computes no gradient
@@ -476,11 +496,11 @@ def lookup(table, ids, name=None):
                 summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
                 return tf.IndexedSlices(summed, unique_ids, dense_shape)
 
-            _record_gradient(table, out, row_gradients)
+            record_gradient(table, out, row_gradients)
         return tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0))
 
 
-def _record_gradient(table, output, gradient):
+def record_gradient(table, output, gradient):
     """Tells the tape that `output` was read from `table`, with this gradient.
 
     The tape knows a variable by its handle, so the gradient goes to the first
@@ -562,7 +582,7 @@ def _table_shape(input, out_type=None, name=None):  # pylint: disable=redefined-
     return tf.constant(input.shape.as_list(), dtype=out_type or tf.int32, name=name)
 
 
-def _remember(tensor, table):
+def remember_gradient(tensor, table):
     """Notes that `tensor` (a lookup's unique ids, a read's gradient) is `table`'s."""
     if not tf.executing_eagerly():
         _LOOKUPS.setdefault(tensor.graph, {})[tensor.name] = table

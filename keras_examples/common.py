@@ -10,7 +10,7 @@ def define_flags():   # called under `if __name__ == "__main__":`, before app.ru
     flags.adopt_module_key_flags(common)              # so that --help lists them
     ...                                               # the example's own flags
 
-strategy = common.make_strategy("hybrid", "hybrid")   # or "mirrored", "none"
+strategy = common.start()   # in main: --strategy, --architecture, flags checked
 train = common.batched_dataset((x, y), FLAGS.batch_size, repeat=True)   # numpy arrays in
 last, steps_per_second = common.train(model, train, validation)   # fit, with --epochs ...
 common.print_final(last, ["val_auc", "val_loss"], steps_per_second, FLAGS.batch_size)
@@ -21,6 +21,7 @@ ids = common.zipf_ids(np.random.default_rng(0), size=1000, count=64, exponent=1.
 import functools
 import time
 
+from absl import app
 from absl import flags
 from absl import logging
 import keras
@@ -70,6 +71,19 @@ def quiet_logs():
     # parsing flags, hence in main.
     tf.get_logger().setLevel("WARNING")
     logging.set_verbosity(logging.WARNING)
+
+
+def start():
+    """An example's main begins here: quiet logs, its batch flags checked, its strategy.
+
+    The strategy is made before anything else: on a cluster, connecting to it
+    invalidates variables made before.
+    """
+    quiet_logs()
+    if FLAGS.validation_examples < FLAGS.batch_size:
+        raise app.UsageError("--validation_examples must be at least --batch_size "
+                             "(partial batches are dropped).")
+    return make_strategy(FLAGS.strategy, FLAGS.architecture)
 
 
 def make_strategy(name, architecture):

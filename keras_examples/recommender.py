@@ -87,12 +87,19 @@ def make_dataset(num_examples, batch_size, table_sizes=DEFAULT_TABLE_SIZES, num_
 
 
 def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128),
-                num_dense=8):
-    """One Embedding per categorical feature, concatenated with the dense features, an MLP."""
+                num_dense=8, l2=0.0):
+    """One Embedding per categorical feature, concatenated with the dense features, an MLP.
+
+    With `l2` > 0, every table carries an l2 `embeddings_regularizer` of that factor, as
+    click-through model libraries give their tables by default; HybridStrategy computes
+    each table's penalty on its PS.
+    """
+    regularizer = keras.regularizers.L2(l2) if l2 else None
     inputs = {f"sparse_{i}": keras.Input(shape=(), dtype="int32", name=f"sparse_{i}")
               for i in range(len(table_sizes))}
     inputs["dense"] = keras.Input(shape=(num_dense,), dtype="float32", name="dense")
-    embedded = [keras.layers.Embedding(size, embedding_dim, name=f"embedding_{i}")(
+    embedded = [keras.layers.Embedding(size, embedding_dim, name=f"embedding_{i}",
+                                       embeddings_regularizer=regularizer)(
                     inputs[f"sparse_{i}"])
                 for i, size in enumerate(table_sizes)]
     x = keras.layers.Concatenate(name="concat")(embedded + [inputs["dense"]])
@@ -116,16 +123,12 @@ def define_flags():
                       "Rows of each categorical feature's embedding table.")
     flags.DEFINE_integer("num_dense", 8, "Dense float features per example.")
     flags.DEFINE_list("hidden_units", ["256", "128"], "Widths of the MLP's hidden layers.")
+    flags.DEFINE_float("l2", 0.0, "l2 factor of every table's embeddings_regularizer.")
 
 
 def main(argv):
     del argv
-    common.quiet_logs()
-    if FLAGS.validation_examples < FLAGS.batch_size:
-        raise app.UsageError("--validation_examples must be at least --batch_size "
-                             "(partial batches are dropped).")
-    # First: on a cluster, connecting to it invalidates variables created before.
-    strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
+    strategy = common.start()
     table_sizes = tuple(int(s) for s in FLAGS.table_sizes)
     hidden_units = tuple(int(u) for u in FLAGS.hidden_units)
 
@@ -135,7 +138,8 @@ def main(argv):
                               FLAGS.num_dense, seed=FLAGS.seed + 1)
     keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights in every run
     with strategy.scope():
-        model = build_model(table_sizes, FLAGS.embedding_dim, hidden_units, FLAGS.num_dense)
+        model = build_model(table_sizes, FLAGS.embedding_dim, hidden_units, FLAGS.num_dense,
+                            FLAGS.l2)
     common.print_strategy(strategy)
 
     last, steps_per_second = common.train(model, train, validation)

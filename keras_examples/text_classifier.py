@@ -127,12 +127,7 @@ def define_flags():
 
 def main(argv):
     del argv
-    common.quiet_logs()
-    if FLAGS.validation_examples < FLAGS.batch_size:
-        raise app.UsageError("--validation_examples must be at least --batch_size "
-                             "(partial batches are dropped).")
-    # First: on a cluster, connecting to it invalidates variables created before.
-    strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
+    strategy = common.start()
 
     train = make_dataset(FLAGS.examples, FLAGS.batch_size, FLAGS.vocab_size, FLAGS.doc_len,
                          seed=FLAGS.seed, repeat=True)

@@ -395,6 +395,19 @@ def report(make_strategy, cases=CASES):
     return out
 
 
+def local_cpu_replicas(count):
+    """Splits this process's CPU into `count` devices (before TensorFlow uses it); their names.
+
+    None for 0: the scenario runs on a cluster.
+    """
+    if not count:
+        return None
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    return [f"/cpu:{i}" for i in range(count)]
+
+
 def strategy_maker(argv, **options):
     """`make_strategy(**kwargs)`: a HybridStrategy with `options`, on this machine's CPU
     replicas given `--local-replicas N` in `argv`, else on TF_CONFIG's cluster."""
@@ -407,11 +420,8 @@ def strategy_maker(argv, **options):
     make_strategy = functools.partial(hybrid_strategy.HybridStrategy,
                                       min_shard_bytes=MIN_SHARD_BYTES, **options)
     if args.local_replicas:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * args.local_replicas)
         make_strategy = functools.partial(
-            make_strategy, devices=[f"/cpu:{i}" for i in range(args.local_replicas)])
+            make_strategy, devices=local_cpu_replicas(args.local_replicas))
     return make_strategy
 
 

@@ -108,15 +108,20 @@ def test_table_gradients_summed_per_worker_then_on_the_ps(report):
     # A dense variable forced onto the PS is summed there too, parameter-server style.
     assert result["forced"]["ps_aggregated"] == ["hidden/kernel"]
     # The tape merges the tied table's sparse and dense gradients into one dense
-    # tensor: that one is all-reduced among the workers, then applied on the PS.
+    # tensor: that one is all-reduced among the workers (then applied on the PS
+    # under tf_keras; Keras 3 mirrors the table after its first step).
     assert result["tied"]["ps_aggregated"] == []
 
 
 def test_misfit_placements_warn_once_each(report):
-    _, result = report
+    shape, result = report
     assert result["sgd"]["warnings"] == []
-    (tied,) = result["tied"]["warnings"]
-    assert "'embedding/embeddings' is on a PS but gets a dense gradient" in tied
+    if shape.startswith("tf_keras"):
+        (tied,) = result["tied"]["warnings"]
+        assert "'embedding/embeddings' is on a PS but gets a dense gradient" in tied
+    else:  # Keras 3's fit moves the tied table to mirrored after its first step
+        assert result["tied"]["warnings"] == []
+        assert result["tied"]["placement"]["embedding/embeddings"] == "mirrored"
     forced = result["forced"]["warnings"]
     assert len(forced) == 2
     assert any("'embedding/embeddings' is mirrored but gets a sparse" in w for w in forced)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = ("recommender", "language_model", "cnn", "text_classifier")
+EXAMPLES = ("recommender", "language_model", "decoder_lm", "cnn", "text_classifier")
 
 
 def test_examples_import_into_one_process():

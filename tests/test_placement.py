@@ -124,6 +124,7 @@ def test_plan_prints_a_table():
     ({"min_shard_bytes": 0}, "min_shard_bytes must be a positive int"),
     ({"table_shards": {"emb": 0}}, "table_shards['emb'] is 0"),
     ({"table_shards": [("emb", 2)]}, "table_shards must be a dict"),
+    ({"max_mirrored_bytes": -1}, "max_mirrored_bytes must be an int >= 0"),
 ])
 def test_bad_arguments_say_what_to_do(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as error:
@@ -189,3 +190,27 @@ def test_architecture_ps_keeps_scalars_mirrored():
     policy = placement.PlacementPolicy("ps", num_ps=1)
     assert policy.decide(info("layer/scale", ())).kind == "mirrored"
     assert policy.plan["layer/scale"].reason == "architecture 'ps', but no rows to split"
+
+
+def test_a_ps_table_with_a_dense_gradient_moves_to_mirrored_unless_it_must_stay():
+    policy = placement.PlacementPolicy("hybrid", num_ps=2, overrides={"pinned": "ps"},
+                                       max_mirrored_bytes=10_000)
+    tied = info("tied/embeddings", (100, 4), EMBEDDING)
+    assert policy.decide(tied).ps_tasks == (0,)
+    assert policy.stays_on_ps("tied/embeddings", 10_000) is None
+    assert policy.stays_on_ps("tied/embeddings", 10_001) == (
+        "mirrored, it and its optimizer slots would take 10,001 bytes on each worker, "
+        "more than max_mirrored_bytes=10,000")
+    policy.move_to_mirrored("tied/embeddings", "dense gradient")
+    assert policy.plan["tied/embeddings"].placement == placement.Placement("mirrored")
+    assert policy.plan["tied/embeddings"].reason == "dense gradient"
+    # Its bytes left task 0, which takes the next table; and it stays mirrored.
+    assert policy.decide(info("next/embeddings", (100, 4), EMBEDDING)).ps_tasks == (0,)
+    assert policy.move_to_ps(tied, "read by row") is None
+    policy.decide(info("pinned/embeddings", (100, 4), EMBEDDING))
+    assert policy.stays_on_ps("pinned/embeddings", 1) == (
+        "placement_overrides['pinned'] pins it there")
+    ps = placement.PlacementPolicy("ps", num_ps=1)
+    ps.decide(info("dense/kernel"))
+    assert ps.stays_on_ps("dense/kernel", 1) == (
+        "architecture 'ps' keeps every layer weight on a PS")

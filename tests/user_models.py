@@ -325,13 +325,7 @@ def main(argv):
                         help="run on this machine alone with this many CPU replicas, "
                              "and compare with MirroredStrategy on them")
     args = parser.parse_args(argv)
-
-    devices = None
-    if args.local_replicas:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * args.local_replicas)
-        devices = [f"/cpu:{i}" for i in range(args.local_replicas)]
+    devices = scenario.local_cpu_replicas(args.local_replicas)
 
     def make_hybrid():
         return hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,

@@ -1,0 +1,125 @@
+"""PS tables whose gradient turns out dense become mirrored after Keras' first training step.
+
+A table read by lookup and also whole (a tied output projection,
+`ops.matmul(h, ops.transpose(table))`) gets a dense gradient: left on a PS, every
+worker would read the whole table and push a dense gradient of it each step, where
+an all-reduce moves less (Parallax's rule: a variable whose gradient is dense is
+all-reduced). The gradient's type is known only once the step is traced, after the
+table's reads were traced into it, so Keras 3's training function (hooked here)
+runs its first call as traced, then asks the strategy to move such tables
+(`HybridExtended.mirror_dense_tables`: values and optimizer slots, the Keras
+variables wrap mirrored variables from then on) and, if any moved, makes its
+training, evaluation and prediction functions again, which trace the mirrored
+variables. The first step is correct either way: a PS table's dense gradient is
+all-reduced and applied on its PS.
+
+Custom training loops (`tf.function` + `strategy.run`) keep what they traced: there
+the strategy warns instead. tf_keras layers hold the TensorFlow variable itself,
+which cannot be replaced under them: there too a table stays, with a warning.
+
+```python
+import keras, hybrid_strategy
+
+class TiedLogits(keras.layers.Layer):
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+strategy = hybrid_strategy.HybridStrategy()
+with strategy.scope():
+    ids = keras.Input((8,), dtype="int32")
+    embedding = keras.layers.Embedding(1000, 16)
+    logits = TiedLogits(embedding)(keras.layers.Dense(16)(embedding(ids)))
+    model = keras.Model(ids, logits)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+# After model.fit's first step, print(strategy.placement) says
+# "mirrored  dense gradient (moved after the first step)" for the table.
+```
+"""
+
+# TF-private: the variable creator of MirroredStrategy (the mirrored copy is made
+# as any mirrored variable is) and the MirroredVariable class it makes.
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values as values_lib
+# TF-private: ResourceVariable made directly skips the variable creator stack.
+from tensorflow.python.ops import resource_variable_ops
+
+
+class _MirroredTable(values_lib.MirroredVariable):
+    """A mirrored variable that took a PS table's place.
+
+    Keras 3 optimizers know a variable by its TensorFlow variable's `_unique_id`;
+    this one keeps the table's, so the optimizer still finds its slots.
+    """
+
+    def __init__(self, mirrored, replaced_id):
+        super().__init__(mirrored.distribute_strategy, mirrored.values, mirrored.aggregation)
+        self._replaced_id = replaced_id
+
+    @property
+    def _unique_id(self):
+        return self._replaced_id
+
+
+def mirrored_copy(extended, table, replaced_id=None):
+    """A mirrored variable on every replica holding `table`'s current value.
+
+    The first replica's copy reads the shards from their PS (the chief does not
+    hold the table); the others copy it. With `replaced_id`, the copy answers to
+    that `_unique_id`. Call it eagerly (under `tf.init_scope()`).
+    """
+    mirrored = mirrored_strategy.MirroredExtended._create_variable(
+        extended, lambda **kwargs: resource_variable_ops.ResourceVariable(**kwargs),
+        initial_value=table.read_value, dtype=table.dtype, trainable=table.trainable,
+        name=table.path.rsplit("/", 1)[-1], aggregation=table.aggregation,
+        synchronization=table.synchronization)
+    return mirrored if replaced_id is None else _MirroredTable(mirrored, replaced_id)
+
+
+def install_keras_hook(extended_of):
+    """Makes Keras 3's training function move tables after its first call.
+
+    Args:
+        extended_of: `extended_of(strategy)` is the strategy's `HybridExtended`, or
+            None for any other strategy (nothing changes then).
+    """
+    # Keras-private: the trainer whose `make_train_function` sets
+    # `model.train_function`, which `fit` and `train_on_batch` call.
+    from keras.src.backend.tensorflow import trainer as trainer_lib
+
+    trainer_class = trainer_lib.TensorFlowTrainer
+    make = trainer_class.make_train_function
+    if getattr(make, "_hybrid_mirrors_tables", False):
+        return
+
+    def make_train_function(self, force=False):
+        made = force or self.train_function is None
+        result = make(self, force=force)
+        extended = extended_of(self.distribute_strategy)
+        if made and extended is not None:
+            self.train_function = _moving_after_first_call(self, self.train_function, extended)
+        return result
+
+    make_train_function._hybrid_mirrors_tables = True
+    trainer_class.make_train_function = make_train_function
+
+
+def _moving_after_first_call(model, function, extended):
+    """`function`, whose first call is followed by the strategy's moves, if any."""
+
+    def first_call(data):
+        try:
+            with extended.mirroring_after_step():
+                return function(data)
+        finally:
+            if extended.mirror_dense_tables():
+                # Every function traced so far reads the tables' old variables.
+                model.test_function = model.predict_function = None
+                model.make_train_function(force=True)
+            else:
+                model.train_function = function
+
+    return first_call

@@ -1,0 +1,59 @@
+"""AdamW, Ftrl, MultiOptimizer and a LossScaleOptimizer train a recommender's PS tables.
+
+`tests/optimizer_scenario.py` runs as the chief of a real cluster of 2 workers and
+2 ps (Keras 3, and tf_keras), once per flavour (a module fixture): each case trains
+the recommender's three tables, split over both ps tasks, and its MLP with
+`model.fit`, and compares every weight and every optimizer slot of the tables with
+single-device training (dense gradients for exact mode, the lazy rule for lazy
+mode).
+"""
+
+import os
+
+import pytest
+
+from runs import json_report, on_cluster
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "optimizer_scenario.py")
+TOLERANCE = 1e-5
+TABLES = ["category/embeddings", "item/embeddings", "user/embeddings"]
+PS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
+WORKERS = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
+CASES = {
+    "keras3": ["adamw_exact", "adamw_lazy", "ftrl_exact", "multi_exact",
+               "loss_scale_lamb_lazy"],
+    "tf_keras": ["adamw_exact", "adamw_lazy", "ftrl_exact"],
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def report(request):
+    flavour = request.param
+    result = json_report(on_cluster(SCRIPT, workers=2, ps=2), f"optimizer_scenario ({flavour})",
+                         flavour)
+    assert sorted(result) == sorted(CASES[flavour])
+    return result
+
+
+def test_tables_and_their_slots_match_single_device_training(report):
+    for name, case in report.items():
+        errors = case["relative_errors"]
+        slots = [p for p in errors if p not in case["devices"]]
+        # Adam, AdamW and Ftrl keep two slots per table, Adagrad one, Lamb two.
+        assert len(slots) >= 4, (name, slots)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"{name}: {worst} off by {errors[worst]:.2e}"
+        assert min(case["moved"][t] for t in TABLES) > 1e-2, f"{name}: tables did not train"
+        if name.endswith("_lazy"):
+            assert case["exact_reference_error"] > 1e-3, name
+
+
+def test_tables_and_slots_on_both_ps_tasks_dense_weights_on_both_workers(report):
+    for name, case in report.items():
+        for path, devices in case["devices"].items():
+            expected = PS if path in TABLES else WORKERS
+            assert sorted(devices) == expected, (name, path, devices)
+        assert all(sorted(d) == PS for d in case["slot_devices"].values()), name
+        # Each worker's rows are summed on the ps, not all-gathered among workers.
+        assert case["ps_aggregated"] == TABLES, name
