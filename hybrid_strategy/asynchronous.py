@@ -39,6 +39,7 @@ model.fit(dataset, epochs=3)
 
 import collections
 import contextlib
+import functools
 import threading
 import weakref
 
@@ -480,6 +481,7 @@ def _train_asynchronously(model_class, asynchronous_scope, train_function):
     model under an asynchronous strategy (whose `WorkerScope` is `scope`)."""
     make_train = model_class.make_train_function
 
+    @functools.wraps(make_train)  # keeps the markers of other hooks on the method
     def make_train_function(self, force=False):
         scope = asynchronous_scope(self.distribute_strategy)
         if scope is None or (self.train_function is not None and not force):
@@ -499,6 +501,7 @@ def _wait_before(model_class, name, asynchronous_scope):
     on the synchronous iterator (Keras 3's prediction takes batches: they pass through)."""
     make = getattr(model_class, f"make_{name}")
 
+    @functools.wraps(make)
     def make_function(self, force=False):
         make(self, force=force)
         function = getattr(self, name)
@@ -520,6 +523,7 @@ def _join_at_the_end(iterator_class, dataset_attribute):
     wait for every step handed out when the dataset it iterates is asynchronous."""
     catch_stop_iteration = iterator_class.catch_stop_iteration
 
+    @functools.wraps(catch_stop_iteration)
     @contextlib.contextmanager
     def joining_at_the_end(self):
         if not isinstance(getattr(self, dataset_attribute, None), AsyncDataset):
