@@ -341,6 +341,7 @@ def configure(options, model):
     default = TARGETS[model]
     options.model_name = model
     options.global_batch = contenders_lib.MODELS[model].global_batch
+    options.devices_per_worker = 1  # run.py's cluster: one replica per worker
     options.target = Target(default.metric, default.value if options.target_arg is None
                             else options.target_arg, default.higher_is_better, default.label)
     options.eval_every = options.eval_every_arg or eval_every
