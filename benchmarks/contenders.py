@@ -12,6 +12,10 @@ markers and this process's task name. Contenders:
   ps
   hybrid-bf16  hybrid with `wire_dtype="bfloat16"`: table rows cross between tasks in
              bfloat16 (tables and their updates stay float32).
+  ps-async   Keras 3, `HybridStrategy(architecture="ps", asynchronous=True)`: each step on
+             one worker with the whole global batch, workers not waiting for each other.
+  NAME:key=value:...  a HybridStrategy contender with more options, e.g.
+             `hybrid:sparse_update='exact'` (values are Python literals).
   mwms       tf_keras (TF_USE_LEGACY_KERAS=1), `tf.distribute.MultiWorkerMirroredStrategy`:
              one such process per worker, TF_CONFIG with worker tasks only; worker 0
              writes the results. Keras 3 `model.fit` fails with MWMS on TF 2.21.
@@ -37,11 +41,12 @@ numbers (so its steps have finished), one epoch runs warm-up + measured steps, a
 measured window starts at `on_train_batch_begin` of the first measured step and ends at
 `on_train_batch_end` of the last; with N steps per call, a call's time counts as N steps
 of a Nth of it each; the first call (tracing the step, then running it) is timed apart
-("first_call_seconds"). ParameterServerStrategy schedules steps asynchronously (each step runs on one
-worker with the whole global batch); its callback takes no per-step logs, `fit` runs two
-epochs of `steps` steps (the first is the warm-up) and the window is the second epoch,
-which ends once every scheduled step has finished (`coordinator.join()`), so only its
-mean step time is known.
+("first_call_seconds"). The asynchronous contenders (ParameterServerStrategy and ps-async)
+run each step on one worker with the whole global batch, and a call returns before its
+step has finished; `fit` runs two epochs of `steps` steps (the first is the warm-up) and
+the window is the second epoch, which ends once every step has finished
+(`coordinator.join()`, or the end of a ps-async epoch), so only their mean step time is
+known (pss' callback takes no per-step logs at all).
 
 With "profile" in the spec, the trainer that writes the results traces every task of
 its cluster (or itself, for `single`) with the TensorFlow profiler from the start of the
@@ -53,6 +58,7 @@ harness writes after it has read the network counters: nothing runs between the
 counters and the clock.
 """
 
+import ast
 import dataclasses
 import importlib
 import json
@@ -64,12 +70,14 @@ import threading
 import time
 import types
 
-CONTENDERS = ("hybrid", "hybrid-bf16", "allreduce", "ps", "mwms", "pss", "single")
+CONTENDERS = ("hybrid", "hybrid-bf16", "allreduce", "ps", "ps-async", "mwms", "pss", "single")
 HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "hybrid-bf16": "hybrid", "allreduce": "allreduce",
-                        "ps": "ps"}
-# HybridStrategy arguments of a contender besides its architecture.
-HYBRID_OPTIONS = {"hybrid-bf16": {"wire_dtype": "bfloat16"}}
+                        "ps": "ps", "ps-async": "ps"}
+# HybridStrategy options beyond the architecture, by contender.
+HYBRID_OPTIONS = {"hybrid-bf16": {"wire_dtype": "bfloat16"}, "ps-async": {"asynchronous": True}}
 LEGACY_KERAS = ("mwms", "pss")  # contenders that run under tf_keras
+ASYNCHRONOUS = ("ps-async", "pss")  # each step runs on one worker, none waits for the others
+WITH_PS = ("hybrid", "hybrid-bf16", "ps", "ps-async", "pss")  # contenders whose cluster has ps tasks
 _HANDSHAKE_TIMEOUT = 300.0  # seconds a process waits for the harness at a boundary
 
 
@@ -99,6 +107,34 @@ MODELS = {
     "recommender_l2": ModelSpec("keras_examples.recommender", "examples", 512,
                                 build={"l2": 1e-5}),
 }
+
+
+def base_of(contender):
+    """The registered contender a "NAME:key=value:..." contender adds options to."""
+    return contender.split(":", 1)[0]
+
+
+def hybrid_options(contender):
+    """The HybridStrategy keyword arguments of a HybridStrategy contender.
+
+    ```python
+    hybrid_options("ps-async")                          # architecture "ps", asynchronous
+    hybrid_options("hybrid:sparse_update='exact'")      # architecture "hybrid", exact
+    ```
+    """
+    name, *extra = contender.split(":")
+    if name not in HYBRID_ARCHITECTURES:
+        raise ValueError(f"contender {contender!r}: options follow one of "
+                         f"{', '.join(HYBRID_ARCHITECTURES)}")
+    options = {"architecture": HYBRID_ARCHITECTURES[name], **HYBRID_OPTIONS.get(name, {})}
+    for item in extra:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"contender {contender!r}: {item!r} is not key=<Python "
+                             "literal>, e.g. sparse_update='exact'") from None
+    return options
 
 
 def model_available(name):
@@ -164,10 +200,9 @@ def _adapt_for_tf_keras(module):
 
 def make_strategy(contender, num_ps):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if contender in HYBRID_ARCHITECTURES:
+    if base_of(contender) in HYBRID_ARCHITECTURES:
         import hybrid_strategy  # pylint: disable=import-outside-toplevel
-        return hybrid_strategy.HybridStrategy(architecture=HYBRID_ARCHITECTURES[contender],
-                                              **HYBRID_OPTIONS.get(contender, {}))
+        return hybrid_strategy.HybridStrategy(**hybrid_options(contender))
     if contender == "mwms":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if contender == "pss":
@@ -373,73 +408,106 @@ def vm_hwm_kib(pid="self"):
 # The chief ------------------------------------------------------------------------
 
 
-def run(spec):
-    """Trains spec's model under spec's contender; writes the results JSON (task 0)."""
-    contender = spec["contender"]
-    model_spec = MODELS[spec["model"]]
-    legacy = contender in LEGACY_KERAS
-    if legacy:
-        keras = install_tf_keras_as_keras()
-        keras_name = f"tf_keras {keras.__version__}"
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if not legacy:
-        import keras  # pylint: disable=import-outside-toplevel
-        keras_name = f"keras {keras.__version__}"
-    tf.get_logger().setLevel("ERROR")
+class Trainer:
+    """A contender's Keras (Keras 3 or tf_keras), strategy and model module, and its way
+    of feeding `fit`; made first in a training program (connecting to the cluster
+    invalidates variables made before).
 
-    started = time.perf_counter()
-    # First: on a cluster, connecting to it invalidates variables created before.
-    strategy = make_strategy(contender, spec.get("num_ps", 0))
-    module = importlib.import_module(model_spec.module)
-    if legacy:
-        _adapt_for_tf_keras(module)
-    batch = spec["global_batch"]
-    asynchronous = contender == "pss"
-    warmup_steps = spec["steps"] if asynchronous else spec["warmup"]
-    total = warmup_steps + spec["steps"]
-    data_kwargs = dict(model_spec.data)
+    ```python
+    trainer = Trainer("hybrid", "recommender", num_ps=1)
+    model = trainer.build_model()
+    trainer.fit(model, examples=512 * 100, batch=512, epochs=1, steps_per_epoch=100)
+    ```
+    """
 
-    def dataset(shards=1, index=0):
-        data = module.make_dataset(batch * total, batch, seed=0, repeat=True, **data_kwargs)
+    def __init__(self, contender, model_name, num_ps):
+        self.contender = contender
+        self.model_spec = MODELS[model_name]
+        self.legacy = contender in LEGACY_KERAS
+        if self.legacy:
+            self.keras = install_tf_keras_as_keras()
+            self.keras_name = f"tf_keras {self.keras.__version__}"
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        if not self.legacy:
+            import keras  # pylint: disable=import-outside-toplevel
+            self.keras, self.keras_name = keras, f"keras {keras.__version__}"
+        tf.get_logger().setLevel("ERROR")
+        self.tf = tf
+        self.strategy = make_strategy(contender, num_ps)
+        self.module = importlib.import_module(self.model_spec.module)
+        if self.legacy:
+            _adapt_for_tf_keras(self.module)
+        self.asynchronous = base_of(contender) in ASYNCHRONOUS
+
+    def build_model(self, seed=0, strategy=None):
+        """The model, under `strategy` (default: the contender's), from `seed`."""
+        keras = self.keras
+        keras.utils.set_random_seed(seed)  # the same initial weights in every run
+        with (strategy or self.strategy).scope():
+            model = self.module.build_model(**self.model_spec.build)
+            if self.legacy and hasattr(self.module, "LanguageModel"):
+                model._bench_loss = keras.metrics.Mean(name="loss")
+                model.built = True  # its build() is the Keras 3 one; the layers are built
+        return model
+
+    def dataset(self, examples, batch, seed=0, shards=1, index=0, repeat=True):
+        """The model's data: `examples` examples in batches of `batch`, batch-sharded."""
+        tf = self.tf
+        data = self.module.make_dataset(examples, batch, seed=seed, repeat=repeat,
+                                        **self.model_spec.data)
         if shards > 1:
             data = data.shard(shards, index)
-        if contender == "mwms":
+        if self.contender == "mwms":
             options = tf.data.Options()
             options.experimental_distribute.auto_shard_policy = (
                 tf.data.experimental.AutoShardPolicy.DATA)
             data = data.with_options(options)
         return data
 
-    keras.utils.set_random_seed(0)  # the same initial weights in every run
-    with strategy.scope():
-        model = module.build_model(**model_spec.build)
-        if legacy and hasattr(module, "LanguageModel"):
-            model._bench_loss = keras.metrics.Mean(name="loss")
-            model.built = True  # its build() is the Keras 3 one; the layers are built
+    def fit(self, model, examples, batch, **fit_kwargs):
+        """`model.fit` on the repeated training data, as this contender takes it."""
+        if self.contender == "pss":
+            def dataset_fn(context):
+                return self.dataset(examples, batch, shards=context.num_input_pipelines,
+                                    index=context.input_pipeline_id)
+            data = self.keras.utils.experimental.DatasetCreator(dataset_fn)
+        elif base_of(self.contender) in HYBRID_ARCHITECTURES and not self.asynchronous:
+            # Each worker builds only its own batches, as pss's workers do.
+            arrays = self.module.make_arrays(examples, seed=0, **self.model_spec.data)
+            data = per_worker_input(self.strategy, arrays, batch)
+        else:
+            data = self.dataset(examples, batch)
+        return model.fit(data, verbose=0, shuffle=False, **fit_kwargs)
+
+
+def run(spec):
+    """Trains spec's model under spec's contender; writes the results JSON (task 0)."""
+    contender = spec["contender"]
+    started = time.perf_counter()
+    trainer = Trainer(contender, spec["model"], spec.get("num_ps", 0))
+    keras, tf, strategy = trainer.keras, trainer.tf, trainer.strategy
+    model_spec = trainer.model_spec
+    batch = spec["global_batch"]
+    asynchronous = trainer.asynchronous
+    warmup_steps = spec["steps"] if asynchronous else spec["warmup"]
+    total = warmup_steps + spec["steps"]
+    model = trainer.build_model()
     steps_per_execution = spec.get("steps_per_execution", 1)
     if steps_per_execution > 1:
         # The examples compile their models; only the steps per call change.
-        if legacy:
+        if trainer.legacy:
             model._configure_steps_per_execution(steps_per_execution)
         else:
             model.steps_per_execution = steps_per_execution
     profile = spec.get("profile")
     profiler = Profiler(profile["logdir"], profile["duration_ms"]) if profile else None
     timer = make_timer(keras, spec, asynchronous, profiler)
-    fit_kwargs = dict(verbose=0, callbacks=[timer], shuffle=False)
     setup_seconds = time.perf_counter() - started
-    if asynchronous:
-        def dataset_fn(context):
-            return dataset(context.num_input_pipelines, context.input_pipeline_id)
-        train = keras.utils.experimental.DatasetCreator(dataset_fn)
-        model.fit(train, epochs=2, steps_per_epoch=spec["steps"], **fit_kwargs)
-    elif contender in HYBRID_ARCHITECTURES:
-        arrays = module.make_arrays(batch * total, seed=0, **data_kwargs)
-        model.fit(per_worker_input(strategy, arrays, batch), epochs=1,
-                  steps_per_epoch=total, **fit_kwargs)
-    else:
-        model.fit(dataset(), epochs=1, steps_per_epoch=total, **fit_kwargs)
+    # Asynchronous contenders: epoch 0 warms up, epoch 1 is measured.
+    epochs, steps_per_epoch = (2, spec["steps"]) if asynchronous else (1, total)
+    trainer.fit(model, batch * total, batch, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                callbacks=[timer])
 
     seconds = timer.end - timer.start
     steps = spec["steps"]
@@ -447,11 +515,13 @@ def run(spec):
     result = {
         "contender": contender,
         "model": spec["model"],
-        "keras": keras_name,
+        "keras": trainer.keras_name,
         "tensorflow": tf.__version__,
         "strategy": type(strategy).__name__,
-        "architecture": HYBRID_ARCHITECTURES.get(contender),
-        "strategy_options": HYBRID_OPTIONS.get(contender, {}),
+        "architecture": HYBRID_ARCHITECTURES.get(base_of(contender)),
+        "strategy_options": ({key: value for key, value in hybrid_options(contender).items()
+                              if key != "architecture"}
+                             if base_of(contender) in HYBRID_ARCHITECTURES else {}),
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "global_batch": batch,
         "warmup_steps": warmup_steps,
@@ -472,7 +542,7 @@ def run(spec):
         "last_logs": timer.last_logs,
         "chief_vmhwm_kib": vm_hwm_kib(),
     }
-    if contender in HYBRID_ARCHITECTURES:
+    if base_of(contender) in HYBRID_ARCHITECTURES:
         result["placement"] = str(strategy.placement)
     if profiler is not None:
         result["profile"] = profiler.summary()

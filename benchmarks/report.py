@@ -21,7 +21,7 @@ import sys
 from benchmarks import trace_summary
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ORDER = ("hybrid", "hybrid-bf16", "allreduce", "ps", "mwms", "pss", "single")
+ORDER = ("hybrid", "hybrid-bf16", "allreduce", "ps", "ps-async", "mwms", "pss", "single")
 
 
 # Formatting -----------------------------------------------------------------------
@@ -386,12 +386,13 @@ def readme(runs, images):
              "received: ring all-reduce of the dense gradients (2(N-1)/N M each way) plus "
              "the unique embedding rows of one worker's share of the batch, pulled and "
              "pushed. It assumes workers all-reduce dense gradients among themselves; "
-             "where dense variables live on parameter servers (`ps`, `pss`) a worker moves "
-             "M each way instead of 2(N-1)/N M, so those can read below it per worker "
-             "(the servers carry the rest).",
-             "- `pss` (ParameterServerStrategy) is asynchronous: each step runs on one "
-             "worker with the whole global batch, so a worker moves the bytes of 1/W of "
-             "the steps, and only its mean step time is known.",
+             "where dense variables live on parameter servers (`ps`, `ps-async`, `pss`) a "
+             "worker moves M each way instead of 2(N-1)/N M, so those can read below it per "
+             "worker (the servers carry the rest).",
+             "- `pss` (ParameterServerStrategy) and `ps-async` (HybridStrategy(architecture="
+             "'ps', asynchronous=True)) are asynchronous: each step runs on one worker with "
+             "the whole global batch, so a worker moves the bytes of 1/W of the steps, and "
+             "only their mean step time is known.",
              "- *last loss logged* is the training loss Keras reported at the end, to "
              "show that each contender trained the same model: under "
              "MultiWorkerMirroredStrategy tf_keras logs N times the loss (the figures are "
@@ -434,6 +435,10 @@ def readme(runs, images):
              "benchmarks.input_scaling`; **numpy input's memory** (peak RSS of the chief "
              "and the workers, up to 4 GiB of arrays): [array_memory.md](array_memory.md), "
              "from `python -m benchmarks.array_memory`.",
+             "- **Time to accuracy** (every contender trained to a validation target on the "
+             "same data: time, steps and examples to it, curves against time): "
+             "[time_to_accuracy.md](time_to_accuracy.md), from `python -m "
+             "benchmarks.time_to_accuracy`, whose runs are kept in `time_to_accuracy/`.",
              ""]
     rows = targets(runs)
     if rows:

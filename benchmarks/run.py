@@ -192,7 +192,7 @@ def cluster_tasks(contender, workers, ps):
         return [Task("chief", "chief", 0)]
     tasks = [] if contender == "mwms" else [Task("chief", "chief", 0)]
     tasks += [Task(f"worker{i}", "worker", i) for i in range(workers)]
-    if contender in ("hybrid", "hybrid-bf16", "ps", "pss"):
+    if contenders_lib.base_of(contender) in contenders_lib.WITH_PS:
         tasks += [Task(f"ps{i}", "ps", i) for i in range(ps)]
     return tasks
 
@@ -315,18 +315,26 @@ class ContenderRun:
                                    + ", ".join(t.name for t in waiting))
             time.sleep(0.1)
 
+    # The training program: `python -m TRAINER SPEC.json`.
+    TRAINER = "benchmarks.contenders"
+
+    def trainer_spec(self, task):
+        """What the training program of `task` is told (SPEC.json)."""
+        spec = {"contender": self.contender, "model": self.options.model_name,
+                "global_batch": self.options.global_batch, "steps": self.options.steps,
+                "warmup": self.options.warmup, "num_ps": self.options.ps,
+                "steps_per_execution": self.options.steps_per_execution,
+                "result": os.path.join(self.workdir, "result.json"),
+                "sync_dir": self.sync_dir, "task": task.name,
+                "write_result": task.index == 0}
+        if self.options.profile and task.index == 0:
+            spec["profile"] = {"logdir": os.path.join(self.workdir, "trace"),
+                               "duration_ms": self.options.profile_ms}
+        return spec
+
     def _start_trainers(self, addresses):
         for task in self.trainers:
-            spec = {"contender": self.contender, "model": self.options.model_name,
-                    "global_batch": self.options.global_batch, "steps": self.options.steps,
-                    "warmup": self.options.warmup, "num_ps": self.options.ps,
-                    "steps_per_execution": self.options.steps_per_execution,
-                    "result": os.path.join(self.workdir, "result.json"),
-                    "sync_dir": self.sync_dir, "task": task.name,
-                    "write_result": task.index == 0}
-            if self.options.profile and task.index == 0:
-                spec["profile"] = {"logdir": os.path.join(self.workdir, "trace"),
-                                   "duration_ms": self.options.profile_ms}
+            spec = self.trainer_spec(task)
             spec_path = os.path.join(self.workdir, f"spec.{task.name}.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
@@ -335,8 +343,7 @@ class ContenderRun:
                 extra["TF_CONFIG"] = self._tf_config(addresses, task)
             if self.contender in contenders_lib.LEGACY_KERAS:
                 extra["TF_USE_LEGACY_KERAS"] = "1"
-            self._spawn(task, [sys.executable, "-m", "benchmarks.contenders", spec_path],
-                        _environ(extra))
+            self._spawn(task, [sys.executable, "-m", self.TRAINER, spec_path], _environ(extra))
 
     def _follow(self, started):
         """Answers the phase markers and waits for the trainers; bounded by --timeout."""
@@ -388,8 +395,20 @@ class ContenderRun:
         path = os.path.join(self.workdir, "result.json")
         with open(path) as f:
             result = json.load(f)
-        steps = result["steps"]
         _check_result(result, self.options, self.contender)
+        per_task = self.task_usage(result["steps"])
+        if ("chief" in per_task and per_task["chief"].get("peak_rss_mib") is None
+                and result.get("chief_vmhwm_kib")):
+            per_task["chief"]["peak_rss_mib"] = _mib(result["chief_vmhwm_kib"])
+        result["per_task"] = per_task
+        result["bytes_source"] = ("veth counters (Ethernet frames)" if self.net is not None
+                                  else "tcp_info payload per process (ss)"
+                                  if self.samples["end"].get("tcp") else "unavailable")
+        return result
+
+    def task_usage(self, steps):
+        """Per task, over the window between the markers, per step of `steps`: CPU ms,
+        bytes sent and received (and peak RSS)."""
         per_task = {}
         start, end = self.samples["start"], self.samples["end"]
         for task in self.tasks:
@@ -408,14 +427,7 @@ class ContenderRun:
             per_task[task.name] = entry
         if self.contender == "single":
             per_task["chief"].update(wire_sent_per_step=0.0, wire_received_per_step=0.0)
-        if ("chief" in per_task and per_task["chief"].get("peak_rss_mib") is None
-                and result.get("chief_vmhwm_kib")):
-            per_task["chief"]["peak_rss_mib"] = _mib(result["chief_vmhwm_kib"])
-        result["per_task"] = per_task
-        result["bytes_source"] = ("veth counters (Ethernet frames)" if self.net is not None
-                                  else "tcp_info payload per process (ss)"
-                                  if end.get("tcp") else "unavailable")
-        return result
+        return per_task
 
     def _tails(self, lines=25):
         tails = {}
@@ -579,7 +591,7 @@ def parse(argv):
         options.steps, options.warmup = QUICK["steps"], QUICK["warmup"]
     options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
     unknown = [c for c in options.contender_list
-               if c not in contenders_lib.CONTENDERS and c != "horovod"]
+               if contenders_lib.base_of(c) not in contenders_lib.CONTENDERS and c != "horovod"]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from "
                      f"{', '.join(contenders_lib.CONTENDERS)}")

@@ -199,13 +199,16 @@ def _install_keras3(unrolls):
     def _make_function(self, step_function):
         if not unrolls(self.distribute_strategy):
             return original(self, step_function)
-        return _keras3_function(self, step_function, trainer_lib)
+        return keras3_function(self, step_function, trainer_lib)
 
     trainer_lib.TensorFlowTrainer._make_function = _make_function
 
 
-def _keras3_function(model, step_function, trainer_lib):
-    """Keras 3's `_make_function`: the step inline, N steps unrolled, logs packed."""
+def keras3_function(model, step_function, trainer_lib, counted=False):
+    """Keras 3's `_make_function`: the step inline, N steps unrolled, logs packed.
+
+    `counted`: the function is `counted_function`'s (it counts the steps it ran).
+    """
     strategy = model.distribute_strategy
     steps = model.steps_per_execution
     logs = PackedLogs(model, trainer_lib.reduce_per_replica)
@@ -220,6 +223,9 @@ def _keras3_function(model, step_function, trainer_lib):
         one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True,
                                        jit_compile=True)
     one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+    if counted:
+        return counted_function(strategy, steps, one_step_on_data, logs.unpack,
+                                model.run_eagerly)
 
     def later_step(iterator, _):
         # Each worker's batch picked on that worker (end_of_data.py), not in one
@@ -253,6 +259,78 @@ def _keras3_function(model, step_function, trainer_lib):
         return outputs
 
     return function
+
+
+def counted_function(strategy, steps, one_step_on_data, unpack, run_eagerly=False):
+    """`run(iterator, limit) -> (steps run, outputs)`: up to `min(steps, limit)` steps.
+
+    Every step, the first included, runs inside a conditional on its batch, so that a
+    call with no data left runs nothing at all (not even what does not depend on the
+    data, such as the optimizer's step counter); fewer steps than the limit ran when
+    the data ran out. `unpack` brings the last step's outputs to this process.
+    """
+    def counted_steps_on_iterator(iterator, limit):
+        with tf.device(strategy.extended.worker_devices[0]):
+            count, outputs = _counted_steps(steps, one_step_on_data, iterator, limit)
+        with tf.device(_this_process_device()):
+            count = tf.identity(count)
+        return count, unpack(outputs)
+
+    if not run_eagerly:
+        counted_steps_on_iterator = tf.function(counted_steps_on_iterator,
+                                                reduce_retracing=True)
+
+    def run(iterator, limit):
+        count, outputs = counted_steps_on_iterator(iterator, tf.constant(limit))
+        return int(count), outputs
+
+    return run
+
+
+def on_this_process(outputs):
+    """`outputs` (tensors) copied to this process, within a function being traced."""
+    with tf.device(_this_process_device()):
+        return tf.nest.map_structure(tf.identity, outputs)
+
+
+def _counted_steps(steps, one_step_on_data, iterator, limit):
+    """Up to `min(steps, limit)` steps, each only if its batch exists; (count, outputs).
+
+    Step i reads its batch only if the steps before it ran and i < limit, so that
+    the call reads no batch it does not train on; outputs are the last step's
+    (zeros if none ran).
+    """
+    count, outputs = _if_batch(iterator, one_step_on_data, otherwise=None)
+    for i in range(1, steps):
+        def step(count=count, outputs=outputs):
+            ran, new = _if_batch(iterator, one_step_on_data, otherwise=outputs)
+            return count + ran, new
+
+        count, outputs = tf.cond(tf.logical_and(i < limit, tf.equal(count, i)), step,
+                                 lambda count=count, outputs=outputs: (count, outputs))
+    return count, outputs
+
+
+def _if_batch(iterator, step, otherwise):
+    """(1 and `step(batch)` if `iterator` has a batch, else 0 and `otherwise`).
+
+    `otherwise=None`: zeros shaped like the step's outputs.
+    """
+    batch = iterator.get_next_as_optional()
+    specs = []
+
+    def run():
+        outputs = step(batch.get_value())
+        specs.append(tf.nest.map_structure(tf.TensorSpec.from_tensor, outputs))
+        return tf.constant(1), outputs
+
+    def skip():  # traced after run(), so the outputs' specs are known
+        if otherwise is not None:
+            return tf.constant(0), otherwise
+        return tf.constant(0), tf.nest.map_structure(
+            lambda spec: tf.zeros([d or 0 for d in spec.shape], spec.dtype), specs[0])
+
+    return tf.cond(batch.has_value(), run, skip)
 
 
 def _install_tf_keras(tf_keras, unrolls):

@@ -21,6 +21,9 @@ ARCHITECTURES = ("hybrid", "allreduce", "ps")
 MIRRORED = "mirrored"
 PS = "ps"
 PLACEMENT_KINDS = (MIRRORED, PS)
+# Asynchronous training: one whole variable on one PS task, read and written by every
+# worker's steps (what synchronous training mirrors: scalars, counters, metrics).
+SHARED = "shared"
 
 # Tables smaller than two of these stay whole on one PS task.
 DEFAULT_MIN_SHARD_BYTES = 1 << 20
@@ -105,6 +108,8 @@ class Placement:
     def __str__(self):
         if self.kind == MIRRORED:
             return MIRRORED
+        if self.kind == SHARED:
+            return f"{self.shards[0].device_name} (whole)"
         if len(self.shards) == 1:
             return self.shards[0].device_name
         return f"{len(self.shards)} shards on ps"
@@ -247,19 +252,24 @@ class PlacementPolicy:
     the plan. Without PS tasks (single machine), "ps" variables live on the local
     CPU (shard task None), whole unless `table_shards` names them.
 
+    `asynchronous=True` (architecture "ps" only, no "mirrored" override): what
+    would be mirrored lives instead whole on one PS task ("shared"), since the
+    workers' steps run independently and no worker holds state of its own.
+
     Args:
         architecture: "hybrid", "allreduce" or "ps".
         num_ps: Number of PS tasks (0 or more).
         overrides: `{fnmatch pattern: "ps" | "mirrored"}` over variable paths.
         min_shard_bytes: Smallest shard the default split makes (bytes).
         table_shards: `{fnmatch pattern: number of shards}` for chosen tables.
+        asynchronous: Whether the workers train asynchronously.
         max_mirrored_bytes: The most bytes a PS variable with a dense gradient,
             with its optimizer slots, may take on each worker once mirrored.
     """
 
     def __init__(self, architecture="hybrid", num_ps=1, overrides=None,
                  min_shard_bytes=DEFAULT_MIN_SHARD_BYTES, table_shards=None,
-                 max_mirrored_bytes=DEFAULT_MAX_MIRRORED_BYTES):
+                 asynchronous=False, max_mirrored_bytes=DEFAULT_MAX_MIRRORED_BYTES):
         if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architecture={architecture!r} is not supported; use one of "
@@ -280,6 +290,7 @@ class PlacementPolicy:
         self.overrides = validate_overrides(overrides)
         self.min_shard_bytes = min_shard_bytes
         self.table_shards = validate_table_shards(table_shards)
+        self.asynchronous = validate_asynchronous(asynchronous, architecture, self.overrides)
         self.max_mirrored_bytes = max_mirrored_bytes
         self.plan = PlacementPlan()
         self._ps_bytes = [0] * num_ps
@@ -300,6 +311,9 @@ class PlacementPolicy:
                     "created. Narrow the pattern to layer weights with rows (the "
                     "paths of model.weights), or place this variable 'mirrored'.")
             kind, reason = MIRRORED, f"{reason}, but no rows to split"
+        if kind == MIRRORED and self.asynchronous:
+            return self._record(info, Placement(SHARED, self._shards(info, count=1)),
+                                f"{reason}: whole, asynchronous training", always=False)
         return self._record(info, Placement(kind, self._shards(info) if kind == PS else ()),
                             reason, always=False)
 
@@ -363,9 +377,9 @@ class PlacementPolicy:
                 return pattern
         return None
 
-    def _shards(self, info):
+    def _shards(self, info, count=None):
         rows = int(info.shape[0]) if info.shape else 1
-        count = self._shard_count(info, rows)
+        count = count or self._shard_count(info, rows)
         row_bytes = info.nbytes // max(rows, 1)
         shards, used = [], set()
         for k in range(count):
@@ -403,6 +417,28 @@ class PlacementPolicy:
             return PS, (f"{layer} layer" if layer == sparse[0]
                         else f"{layer} subclasses {sparse[0]}")
         return MIRRORED, "dense layer weight"
+
+
+def validate_asynchronous(asynchronous, architecture, overrides):
+    """Checks the `asynchronous` option against the rest; returns it."""
+    if not isinstance(asynchronous, bool):
+        raise TypeError(f"asynchronous must be True or False, got {asynchronous!r}.")
+    if not asynchronous:
+        return False
+    if architecture != "ps":
+        raise ValueError(
+            f"asynchronous=True needs architecture='ps', got {architecture!r}: each "
+            "worker then applies its own steps to variables that live on the PS tasks, "
+            "while mirrored variables are all-reduced by every worker in the same step. "
+            "Use HybridStrategy(architecture='ps', asynchronous=True), or asynchronous="
+            "False to train synchronously.")
+    mirrored = [pattern for pattern, kind in overrides.items() if kind == MIRRORED]
+    if mirrored:
+        raise ValueError(
+            f"placement_overrides {mirrored} place variables 'mirrored', but "
+            "asynchronous training keeps every variable on the PS tasks (no worker holds "
+            "a copy of its own). Remove those overrides, or use asynchronous=False.")
+    return True
 
 
 def gradient_misfit(placement_kind, gradient_is_sparse):

@@ -174,7 +174,8 @@ def is_weight_decay(fn):
     return getattr(fn, "__name__", None) == "weight_decay_fn"
 
 
-def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy"):
+def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy",
+                 concurrent=False):
     """Runs Keras' update closure `fn(variable, gradient, *args)` on `table`'s rows.
 
     `grads` holds the step's summed gradient of each shard of `table`, with
@@ -183,6 +184,10 @@ def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy")
     `mode` updates, on each shard's ps task or together on the first shard's
     (`coupling`); a weight decay deferred by `decay_table` is applied to the same
     rows first. Returns the op that writes the rows back.
+
+    `concurrent=True` (asynchronous training: other steps may update the same rows
+    meanwhile) writes each row's change since it was read, added by the shard's own
+    atomic operation, so that no step's update overwrites another's.
     """
     _check_mode(mode)
     kind = coupling(optimizer, table)
@@ -192,16 +197,16 @@ def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy")
     for selection, grad in _selections(table, grads, mode, kind):
         views += _run_on(selection, tables, optimizer,
                          decays + [lambda grad=grad: fn(table, grad, *args, **(kwargs or {}))])
-    return _flushed(views)
+    return _flushed(views, concurrent)
 
 
-def decay_table(optimizer, fn, table, mode="lazy"):
+def decay_table(optimizer, fn, table, mode="lazy", concurrent=False):
     """Applies Keras' weight decay closure `fn(variable)` to `table`, or defers it.
 
     In exact mode, and for rules that span the whole table, every row decays, on
     each shard's ps task. In lazy mode only the step's rows do: the decay waits
     for the table's update in the same step (`update_table`), which applies it to
-    those rows before the optimizer's rule.
+    those rows before the optimizer's rule. `concurrent` as for `update_table`.
     """
     _check_mode(mode)
     if mode == "lazy" and coupling(optimizer, table) != WHOLE:
@@ -212,7 +217,7 @@ def decay_table(optimizer, fn, table, mode="lazy"):
     views = []
     for k in range(table.num_shards):
         views += _run_on(_Selection(table, [k]), tables, optimizer, [lambda: fn(table)])
-    return _flushed(views)
+    return _flushed(views, concurrent)
 
 
 class RowsView:
@@ -245,7 +250,7 @@ class RowsView:
     def __init__(self, table, shards, indices=None):
         self.table = table
         self._selection = _Selection(table, shards, indices)
-        self._value = self._selection.read(table)
+        self._value = self._read = self._selection.read(table)
         self._written = False
 
     def read(self):
@@ -260,9 +265,16 @@ class RowsView:
         self._value = value
         self._written = True
 
-    def flush(self):
-        """Writes the rows back to their shards if they were written; returns the ops."""
-        return self._selection.write(self.table, self._value) if self._written else []
+    def flush(self, concurrent=False):
+        """Writes the rows back to their shards if they were written; returns the ops.
+
+        `concurrent`: adds their change since they were read instead.
+        """
+        if not self._written:
+            return []
+        if concurrent:
+            return self._selection.write(self.table, self._value - self._read, added=True)
+        return self._selection.write(self.table, self._value)
 
 
 # Keras hooks --------------------------------------------------------------------
@@ -384,7 +396,8 @@ class _Selection:
             return tf.ensure_shape(table_lib.join_dense(parts), table.shape)
         return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
 
-    def write(self, table, value):
+    def write(self, table, value, added=False):
+        """Writes `value` to the rows, or adds it to them with `added`."""
         if self._whole:
             parts = table_lib.split_dense(value, table.num_shards)
         elif len(self.shards) == 1:
@@ -396,9 +409,11 @@ class _Selection:
             shard = table.shards[k]
             with tf.device(shard.device):
                 if self.indices is None:
-                    ops.append(shard.assign(part, read_value=False))
+                    write = shard.assign_add if added else shard.assign
+                    ops.append(write(part, read_value=False))
                 else:
-                    ops.append(shard.scatter_update(tf.IndexedSlices(part, self.indices[i])))
+                    write = shard.scatter_add if added else shard.scatter_update
+                    ops.append(write(tf.IndexedSlices(part, self.indices[i])))
         return ops
 
 
@@ -438,8 +453,8 @@ def _run_on(selection, tables, optimizer, steps):
     return views
 
 
-def _flushed(views):
-    return tf.group([op for view in views for op in view.flush()])
+def _flushed(views, concurrent):
+    return tf.group([op for view in views for op in view.flush(concurrent)])
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import tensorflow as tf
 # are the helpers it is built from (per-replica values, collective options,
 # the update/merge plumbing).
 from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
@@ -47,6 +48,7 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
+from hybrid_strategy import asynchronous as asynchronous_lib
 from hybrid_strategy import batched_lookups
 from hybrid_strategy import batches
 from hybrid_strategy import checkpointing
@@ -154,6 +156,10 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             TensorFlow would otherwise wait forever; the same for the tf.data
             service dispatcher named in HYBRID_STRATEGY_DATA_SERVICE, if set.
             None disables the check.
+        asynchronous: With architecture "ps": each worker trains on its own
+            batches and applies its own updates, without waiting for the other
+            workers, as Parallax's asynchronous PS training (asynchronous.py says
+            what a step and the logs are then). Off by default.
     """
 
     def __init__(self, cluster_resolver=None, *, architecture="hybrid",
@@ -161,7 +167,8 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
                  table_shards=None,
                  max_mirrored_bytes=placement_lib.DEFAULT_MAX_MIRRORED_BYTES,
                  sparse_update="lazy", wire_dtype=None, devices=None,
-                 communication_options=None, connect_timeout=60.0, task_timeout=60.0):
+                 communication_options=None, connect_timeout=60.0, task_timeout=60.0,
+                 asynchronous=False):
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
         else:
@@ -176,13 +183,18 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             sparse_update=sparse_update,
             wire_dtype=wire_dtype, devices=devices,
             communication_options=communication_options,
-            connect_timeout=connect_timeout, task_timeout=task_timeout)
+            connect_timeout=connect_timeout, task_timeout=task_timeout,
+            asynchronous=asynchronous)
         # MirroredStrategy.__init__ would build its own extended object.
         tf.distribute.Strategy.__init__(self, extended)
 
     @property
     def architecture(self):
         return self.extended.policy.architecture
+
+    @property
+    def asynchronous(self):
+        return self.extended.policy.asynchronous
 
     @property
     def cluster(self):
@@ -211,7 +223,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     def __init__(self, container_strategy, config, *, architecture,
                  placement_overrides, min_shard_bytes, table_shards, max_mirrored_bytes,
                  sparse_update, wire_dtype, devices, communication_options, connect_timeout,
-                 task_timeout):
+                 task_timeout, asynchronous):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -222,7 +234,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.policy = placement_lib.PlacementPolicy(
             architecture, num_ps=config.num_ps if config else 0,
             overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes)
+            table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes,
+            asynchronous=asynchronous)
+        # Asynchronous steps run on one worker each: while the strategy works for one
+        # (`WorkerScope`), it replicates over that worker's devices only.
+        self.worker_scope = asynchronous_lib.WorkerScope() if asynchronous else None
         if sparse_update not in sparse_optimizers.MODES:
             raise ValueError(f"sparse_update={sparse_update!r}; use one of "
                              f"{sparse_optimizers.MODES}.")
@@ -289,6 +305,42 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         _install_keras_hooks()
 
     @property
+    def _devices(self):
+        worker = self.worker_scope.current() if self.worker_scope else None
+        if worker is None:
+            return self._all_devices
+        return self._input_workers_devices[worker][1]
+
+    @_devices.setter
+    def _devices(self, devices):
+        self._all_devices = tuple(devices)
+
+    @property
+    def replicas_per_worker(self):
+        return max(len(replicas) for _, replicas in self._input_workers_devices)
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        worker = self.worker_scope.current() if self.worker_scope else None
+        if worker is None:
+            return replica_id_in_sync_group
+        # Within one worker's step, its replica i reads and writes its own component
+        # of per-replica variables (metrics): that of replica i of this worker.
+        return sum(len(replicas) for _, replicas
+                   in self._input_workers_devices[:worker]) + replica_id_in_sync_group
+
+    def _broadcast_to(self, tensor, destinations):
+        if asynchronous_lib.is_shared(destinations):
+            # A shared variable's one value (its aggregation "only first replica").
+            return tensor
+        return super()._broadcast_to(tensor, destinations)
+
+    def _get_cross_device_ops(self, value):
+        if self.worker_scope and self.worker_scope.current() is not None:
+            # Within one worker's step: its replicas' values meet on its host.
+            return cross_device_ops_lib.ReductionToOneDevice()
+        return super()._get_cross_device_ops(value)
+
+    @property
     def spans_devices(self):
         """Whether replicas run on several devices or tasks (no tf.while_loop then)."""
         return self.cluster is not None or len(self._devices) > 1
@@ -320,14 +372,32 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         batches.check_dataset(dataset)
         service_input.check_dataset(dataset, len(self._input_workers_devices))
         # Each worker builds only its own batches (worker_input.py).
-        return worker_input.distribute_dataset(
-            self, dataset, options, super()._experimental_distribute_dataset)
+        distribute = functools.partial(worker_input.distribute_dataset, self, dataset,
+                                       options, super()._experimental_distribute_dataset)
+        if self.worker_scope:
+            # Each step trains one global batch on one worker's replicas.
+            return asynchronous_lib.AsyncDataset(
+                self._container_strategy(), self.worker_scope, dataset, options, distribute)
+        return distribute()
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if self.worker_scope:
+            raise NotImplementedError(
+                "HybridStrategy(asynchronous=True) cannot train on a dataset made with "
+                "distribute_datasets_from_function: each worker reads every W-th global "
+                "batch of one dataset. Pass fit a tf.data.Dataset batched with the global "
+                "batch size (or numpy arrays); tf.data shards files among the workers.")
+        return super()._distribute_datasets_from_function(dataset_fn, options)
 
     # Variable creation -------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
         context = creation.creation_context()
+        if self.worker_scope and asynchronous_lib.is_shared(colocate_with):
+            return asynchronous_lib.create_shared(
+                next_creator, kwargs, colocate_with.device, self._container_strategy(),
+                self.replicas_per_worker)
         if colocate_with is not None:
             # An optimizer slot: a PS table's is sharded exactly like the table, a
             # mirrored variable's is mirrored; Keras 3's move with their variable.
@@ -351,6 +421,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             if context.keras_variable is not None:
                 self._keras_variables[table.ref()] = weakref.ref(context.keras_variable)
             return table
+        if (decided.kind == placement_lib.SHARED
+                and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
+            return asynchronous_lib.create_shared(
+                next_creator, kwargs, self._ps_devices[decided.shards[0].task or 0],
+                self._container_strategy(), self.replicas_per_worker)
         variable = super()._create_variable(next_creator, **kwargs)
         self._variable_infos[variable.ref()] = info
         return variable
@@ -486,6 +561,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._note_gradient_type(var, args)
         if table_lib.is_table(var):
             return self._update_table(var, fn, args, kwargs, group)
+        if not isinstance(var, values_lib.DistributedVariable):
+            return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):
@@ -504,11 +581,12 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             # Adafactor and Nadam) then reach every replica's copy.
             result = sparse_optimizers.update_table(
                 optimizer, fn, table, _shard_gradients(grad, table), args[1:], kwargs,
-                mode=self.sparse_update)
+                mode=self.sparse_update, concurrent=self.worker_scope is not None)
         elif optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
             sparse_optimizers.check(optimizer, table.path)
             result = sparse_optimizers.decay_table(optimizer, fn, table,
-                                                   mode=self.sparse_update)
+                                                   mode=self.sparse_update,
+                                                   concurrent=self.worker_scope is not None)
         else:
             with distribute_lib.UpdateContext(0):
                 result = fn(table, *args, **kwargs)
@@ -665,8 +743,8 @@ def _install_keras_hooks():
     per call without a tf.while_loop (multi_step.py), whole epochs of datasets read
     from the tf.data service (service_input.py), increments of mirrored variables
     made per copy (increments.py), functional models' tables looked up at once
-    (batched_lookups.py) and the end-of-data check picking each worker's batch on
-    that worker (end_of_data.py).
+    (batched_lookups.py), the end-of-data check picking each worker's batch on that
+    worker (end_of_data.py) and asynchronous training (asynchronous.py).
     """
     import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
 
@@ -676,6 +754,7 @@ def _install_keras_hooks():
     creation.install_layer_tags()
     checkpointing.install_hooks()
     multi_step.install(_spans_devices)
+    asynchronous_lib.install(_asynchronous_scope)
     clipping.install_keras_hook(_under_hybrid_strategy)
     sparse_optimizers.install_keras_hooks()
     batches.install_keras_hooks()
@@ -708,6 +787,11 @@ def _assign_instance_keys_when_traced(launchers):
     """
     for launcher in launchers:
         launcher._use_unique_instance_key = lambda: False
+
+
+def _asynchronous_scope(strategy):
+    """The `WorkerScope` of a HybridStrategy that trains asynchronously, else None."""
+    return strategy.extended.worker_scope if isinstance(strategy, HybridStrategy) else None
 
 
 def _spans_devices(strategy):

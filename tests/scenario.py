@@ -408,7 +408,9 @@ def local_cpu_replicas(count):
     return [f"/cpu:{i}" for i in range(count)]
 
 
-def main(argv):
+def strategy_maker(argv, **options):
+    """`make_strategy(**kwargs)`: a HybridStrategy with `options`, on this machine's CPU
+    replicas given `--local-replicas N` in `argv`, else on TF_CONFIG's cluster."""
     import hybrid_strategy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -416,11 +418,15 @@ def main(argv):
                         help="run on this machine alone with this many CPU replicas")
     args = parser.parse_args(argv)
     make_strategy = functools.partial(hybrid_strategy.HybridStrategy,
-                                      min_shard_bytes=MIN_SHARD_BYTES)
+                                      min_shard_bytes=MIN_SHARD_BYTES, **options)
     if args.local_replicas:
         make_strategy = functools.partial(
             make_strategy, devices=local_cpu_replicas(args.local_replicas))
-    json.dump(report(make_strategy), sys.stdout)
+    return make_strategy
+
+
+def main(argv):
+    json.dump(report(strategy_maker(argv)), sys.stdout)
     sys.stdout.write("\n")
 
 

@@ -1,0 +1,233 @@
+"""Asynchronous training scenarios (`HybridStrategy(architecture="ps", asynchronous=True)`).
+
+Run as the chief of a local cluster, or on this machine alone with two CPU replicas
+(one worker: its steps run one after the other, so training is exactly sequential),
+under Keras 3 or, with TF_USE_LEGACY_KERAS=1, tf_keras; prints its report as JSON:
+
+    python -m hybrid_strategy.launch --workers 2 --ps 1 -- python tests/async_scenario.py
+    python tests/async_scenario.py --local-replicas 2
+
+Cases:
+- equivalence (one worker only): the scenario.py models, trained asynchronously,
+  against single-device training, as tests/test_equivalence.py checks synchronous ones;
+- counting: every example of an epoch is used once (scenario.py's counting case);
+- linear: a model whose gradients do not depend on its weights (a table and a Dense
+  layer summed, SGD), so that asynchronous training must end exactly where
+  single-device training does, whatever order the workers' steps ran in (one and
+  three steps per call);
+- convergence: a click-through model (two tables, an MLP, Adagrad, AUC) learns, the
+  optimizer counts every step, epochs end after every step, and a checkpoint (and a
+  Keras 3 weights file) written in the middle of an epoch holds every step handed out
+  before it.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import h5py
+import numpy as np
+import tensorflow as tf
+
+import scenario
+from hybrid_strategy import batches
+
+keras = tf.keras
+LEGACY = batches.legacy_keras() is not None  # tf.keras is tf_keras
+
+EQUIVALENCE_CASES = {name: scenario.CASES[name] for name in ("adagrad", "adam_exact")}
+LINEAR_ROWS, LINEAR_FEATURES, LINEAR_BATCH, LINEAR_STEPS, LINEAR_EPOCHS = 300, 5, 32, 8, 3
+CTR_TABLES, CTR_FEATURES, CTR_BATCH, CTR_STEPS, CTR_EPOCHS = (2000, 300), 4, 64, 24, 6
+SAVE_AT_BATCH = 5  # the mid-epoch checkpoint is written after this batch of epoch 1
+
+
+def linear_model():
+    """sum(table[ids]) + Dense(features): each weight's gradient is fixed by the data."""
+    ids = keras.Input((scenario.SEQ,), dtype="int32", name="ids")
+    features = keras.Input((LINEAR_FEATURES,), name="features")
+    rows = keras.layers.Embedding(LINEAR_ROWS, 1, name="table")(ids)
+    summed = keras.layers.Flatten()(rows)
+    out = keras.layers.Add()([keras.layers.Dense(1, name="sum")(summed),
+                              keras.layers.Dense(1, name="dense")(features)])
+    model = keras.Model({"ids": ids, "features": features}, out)
+    # A fixed "sum" layer: its kernel is frozen at ones, so the output is linear in the table.
+    model.get_layer("sum").trainable = False
+    return model
+
+
+def linear_data(seed=0):
+    rng = np.random.default_rng(seed)
+    n = LINEAR_BATCH * LINEAR_STEPS
+    x = {"ids": np.minimum(rng.zipf(1.3, (n, scenario.SEQ)) - 1, LINEAR_ROWS - 1).astype("int32"),
+         "features": rng.normal(size=(n, LINEAR_FEATURES)).astype("float32")}
+    return x, np.zeros((n, 1), "float32")
+
+
+def mean_output(y_true, y_pred):
+    return y_pred[:, 0]
+
+
+def linear_case(make_strategy, steps_per_execution=1):
+    """Asynchronous SGD on the linear model against one device: equal up to float order.
+
+    With several steps per call, a call whose worker runs out of batches leaves its
+    other steps to another worker: every batch still trains once.
+    """
+    strategy = make_strategy()
+    x, y = linear_data()
+    keras.utils.set_random_seed(2)
+    reference = linear_model()
+    reference.get_layer("sum").set_weights([np.ones((scenario.SEQ, 1), "float32"),
+                                            np.zeros(1, "float32")])
+    weights = reference.get_weights()
+    # Gradients are multiples of 1/32 and the rate a power of two: the table's updates
+    # add exactly in float32, in any order.
+    reference.compile(optimizer=keras.optimizers.SGD(0.125), loss=mean_output)
+    reference.fit(x, y, batch_size=LINEAR_BATCH, epochs=LINEAR_EPOCHS, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = linear_model()
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.125), loss=mean_output,
+                      steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=LINEAR_BATCH, epochs=LINEAR_EPOCHS, shuffle=False, verbose=0)
+    held_out = linear_data(seed=4)[0]
+    return {
+        "relative_errors": dict(zip([scenario.weight_path(w) for w in model.weights],
+                                    scenario.relative_errors(model.get_weights(),
+                                                             reference.get_weights()))),
+        "moved": max(scenario.relative_errors(reference.get_weights(), weights)),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "evaluate": [float(model.evaluate(held_out, np.zeros((len(held_out["ids"]), 1)),
+                                          batch_size=LINEAR_BATCH, verbose=0)),
+                     float(reference.evaluate(held_out, np.zeros((len(held_out["ids"]), 1)),
+                                              batch_size=LINEAR_BATCH, verbose=0))],
+        "devices": scenario.variable_devices(model),
+    }
+
+
+def ctr_data(n, seed):
+    """Ids of two tables (Zipf), dense features, clicks drawn from a fixed true model."""
+    truth = np.random.default_rng(1234)
+    effects = [truth.normal(0, 1, size) for size in CTR_TABLES]
+    weights = truth.normal(0, 0.5, CTR_FEATURES)
+    rng = np.random.default_rng(seed)
+    ids = [np.minimum(rng.zipf(1.2, n) - 1, size - 1).astype("int32") for size in CTR_TABLES]
+    dense = rng.normal(size=(n, CTR_FEATURES)).astype("float32")
+    logits = sum(e[i] for e, i in zip(effects, ids)) + dense @ weights - 0.5
+    clicks = (rng.random(n) < 1 / (1 + np.exp(-logits))).astype("float32")
+    return {"t0": ids[0], "t1": ids[1], "dense": dense}, clicks
+
+
+def ctr_model():
+    inputs = {"t0": keras.Input((), dtype="int32", name="t0"),
+              "t1": keras.Input((), dtype="int32", name="t1"),
+              "dense": keras.Input((CTR_FEATURES,), name="dense")}
+    embedded = [keras.layers.Embedding(size, 8, name=f"table_{i}")(inputs[f"t{i}"])
+                for i, size in enumerate(CTR_TABLES)]
+    x = keras.layers.Concatenate()(embedded + [inputs["dense"]])
+    x = keras.layers.Dense(32, activation="relu", name="hidden")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid", name="click")(x))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="binary_crossentropy",
+                  metrics=[keras.metrics.AUC(name="auc")])
+    return model
+
+
+class Observer(keras.callbacks.Callback):
+    """Records what callbacks see: iterations at each epoch's end, batch logs, and a
+    checkpoint of the optimizer (and, with Keras 3, a weights file) written after
+    batch SAVE_AT_BATCH of epoch 1."""
+
+    def __init__(self, workdir):
+        super().__init__()
+        self.checkpoint = os.path.join(workdir, "mid_epoch")
+        self.weights = os.path.join(workdir, "mid_epoch.weights.h5")
+        self.epoch = 0
+        self.iterations_at_epoch_end, self.batch_logs_with_loss = [], 0
+        self.saved_after_steps = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_logs_with_loss += "loss" in (logs or {})
+        if self.epoch == 1 and batch == SAVE_AT_BATCH:
+            tf.train.Checkpoint(optimizer=self.model.optimizer).write(self.checkpoint)
+            if not LEGACY:  # tf_keras weight files hold no optimizer
+                self.model.save_weights(self.weights)
+            self.saved_after_steps = CTR_STEPS + batch + 1
+
+    def saved_iterations(self):
+        """{"checkpoint": .., "weights file": ..}: the counter in what was written."""
+        saved = {"checkpoint": int(tf.train.load_checkpoint(self.checkpoint).get_tensor(
+            "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"))}
+        if not LEGACY:
+            with h5py.File(self.weights) as weights:
+                saved["weights file"] = int(weights["optimizer/vars/0"][()])
+        return saved
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.iterations_at_epoch_end.append(int(self.model.optimizer.iterations.numpy()))
+
+
+def convergence_case(make_strategy, workdir):
+    strategy = make_strategy()
+    x, y = ctr_data(CTR_BATCH * CTR_STEPS, seed=0)
+    x_val, y_val = ctr_data(2048, seed=1)
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = ctr_model()
+    observer = Observer(workdir)
+    history = model.fit(x, y, batch_size=CTR_BATCH, epochs=CTR_EPOCHS, shuffle=False,
+                        verbose=0, validation_data=(x_val, y_val), callbacks=[observer])
+    return {
+        "loss": history.history["loss"],
+        "val_auc": history.history["val_auc"],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "iterations_at_epoch_end": observer.iterations_at_epoch_end,
+        "batch_logs_with_loss": observer.batch_logs_with_loss,
+        "saved_iterations": observer.saved_iterations(),
+        "saved_after_steps": observer.saved_after_steps,
+        "placement": str(strategy.placement),
+        "optimizer_devices": {scenario.weight_path(v): scenario.raw_variable(v).device
+                              for v in model.optimizer.variables[:2]},
+    }
+
+
+def refusals(make_strategy):
+    """What asynchronous training refuses, with the first line of each error."""
+    strategy = make_strategy()
+    out = {}
+    try:
+        strategy.distribute_datasets_from_function(
+            lambda context: tf.data.Dataset.range(8).batch(4))
+    except NotImplementedError as e:
+        out["distribute_datasets_from_function"] = str(e)
+    return out
+
+
+def report(make_strategy, workers):
+    out = {"workers": workers}
+    if workers == 1:
+        out["equivalence"] = {name: scenario.equivalence_case(make_strategy, *spec)
+                              for name, spec in EQUIVALENCE_CASES.items()}
+    for source in ("dataset", "numpy"):
+        out[f"count_{source}"] = scenario.counting_case(make_strategy, source)
+    out["linear"] = linear_case(make_strategy)
+    out["linear_3_steps_per_call"] = linear_case(make_strategy, steps_per_execution=3)
+    with tempfile.TemporaryDirectory() as workdir:
+        out["convergence"] = convergence_case(make_strategy, workdir)
+    out["refusals"] = refusals(make_strategy)
+    return out
+
+
+def main(argv):
+    make_strategy = scenario.strategy_maker(argv, architecture="ps", asynchronous=True)
+    workers = len(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {}).get(
+        "worker", [])) or 1
+    json.dump(report(make_strategy, workers), sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,166 @@
+"""Asynchronous training (`HybridStrategy(architecture="ps", asynchronous=True)`).
+
+tests/async_scenario.py runs once per shape (a module fixture): as the chief of a real
+2-worker + 1-ps cluster, and on this machine alone with two CPU replicas (one worker,
+whose steps run one after the other, so that it must equal single-device training),
+under Keras 3 and, on one machine, tf_keras.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hybrid_strategy
+from hybrid_strategy import placement
+from runs import FAULTY_CHIEF, environ, json_report, on_cluster
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+SCENARIO = os.path.join(HERE, "async_scenario.py")
+TOLERANCE = 1e-5
+STEPS, EPOCHS = 24, 6  # async_scenario.CTR_STEPS, CTR_EPOCHS
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return json_report(on_cluster(SCENARIO, workers=2, ps=1), "async scenario on 2 workers")
+
+
+@pytest.fixture(scope="module")
+def keras3_one_machine():
+    return json_report([SCENARIO, "--local-replicas", "2"], "async scenario on one machine")
+
+
+@pytest.fixture(scope="module")
+def tf_keras_one_machine():
+    return json_report([SCENARIO, "--local-replicas", "2"], "async scenario on one machine "
+                       "under tf_keras", flavour="tf_keras")
+
+
+@pytest.fixture(params=["keras3_one_machine", "tf_keras_one_machine"])
+def one_machine(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=["cluster", "keras3_one_machine", "tf_keras_one_machine"])
+def report(request):
+    return request.getfixturevalue(request.param)
+
+
+def worst(errors):
+    name = max(errors, key=errors.get)
+    return name, errors[name]
+
+
+@pytest.mark.parametrize("case", ["adagrad", "adam_exact"])
+def test_one_worker_trains_exactly_as_one_device(one_machine, case):
+    # One worker with two replicas: its steps run in order, each on the whole global
+    # batch split over both replicas, counters and slots on the "ps" (the local CPU).
+    name, error = worst(one_machine["equivalence"][case]["relative_errors"])
+    assert error <= TOLERANCE, f"{case}: {name} differs by {error:.2e}"
+
+
+@pytest.mark.parametrize("source", ["dataset", "numpy"])
+def test_every_example_used_once_per_epoch(report, source):
+    counted = report[f"count_{source}"]
+    assert counted["uses_per_example"] == [1.0] * 97
+    assert counted["batches"] == 4
+    assert counted["loss_finite"]
+
+
+@pytest.mark.parametrize("case", ["linear", "linear_3_steps_per_call"])
+def test_every_step_applied_once_whatever_the_order(report, case):
+    # Gradients that do not depend on the weights: asynchronous SGD must end where
+    # single-device training ends, with every step applied once (none lost, none
+    # repeated by a worker that found no data left).
+    result = report[case]
+    assert result["moved"] > 1.0, "training did not move the weights"
+    name, error = worst(result["relative_errors"])
+    assert error <= TOLERANCE, f"{case}: {name} differs by {error:.2e}"
+    assert result["iterations"] == 24
+    trained, reference = result["evaluate"]
+    assert trained == pytest.approx(reference, rel=TOLERANCE)
+
+
+def test_variables_live_on_the_ps(cluster):
+    for path, devices in cluster["linear"]["devices"].items():
+        assert devices == ["/job:ps/replica:0/task:0/device:CPU:0"], path
+    # What synchronous training mirrors is shared on the ps too.
+    for path, device in cluster["convergence"]["optimizer_devices"].items():
+        assert device == "/job:ps/replica:0/task:0/device:CPU:0", path
+    assert "/job:worker" not in cluster["convergence"]["placement"]
+
+
+def test_a_click_model_converges(report):
+    result = report["convergence"]
+    loss, auc = result["loss"], result["val_auc"]
+    # Logistic loss from ~0.58 in the first epoch; validation AUC from ~0.60.
+    assert loss[-1] < 0.52 and loss[-1] < loss[0] - 0.05, loss
+    assert auc[-1] > 0.70, auc
+
+
+def test_epochs_end_after_every_step_and_count_them(report):
+    result = report["convergence"]
+    assert result["iterations"] == STEPS * EPOCHS
+    assert result["iterations_at_epoch_end"] == [STEPS * (e + 1) for e in range(EPOCHS)]
+    assert result["batch_logs_with_loss"] == STEPS * EPOCHS
+
+
+def test_a_checkpoint_mid_epoch_holds_every_step_handed_out(report):
+    result = report["convergence"]
+    assert result["saved_after_steps"] == STEPS + 6
+    for saved, iterations in result["saved_iterations"].items():
+        assert iterations == STEPS + 6, saved
+
+
+def test_datasets_from_a_function_are_refused(report):
+    message = report["refusals"]["distribute_datasets_from_function"]
+    assert "asynchronous=True" in message and "tf.data.Dataset" in message
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"asynchronous": True}, ValueError, "asynchronous=True needs architecture='ps'"),
+    ({"architecture": "allreduce", "asynchronous": True}, ValueError, "architecture='ps'"),
+    ({"architecture": "ps", "asynchronous": "yes"}, TypeError, "True or False"),
+    ({"architecture": "ps", "asynchronous": True,
+      "placement_overrides": {"dense/*": "mirrored"}}, ValueError,
+     r"\['dense/\*'\] place variables 'mirrored'"),
+])
+def test_bad_options_are_refused_before_connecting(monkeypatch, kwargs, error, message):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(error, match=message):
+        hybrid_strategy.HybridStrategy(**kwargs)
+
+
+def test_placement_shares_what_synchronous_training_mirrors():
+    policy = placement.PlacementPolicy("ps", num_ps=2, asynchronous=True)
+    layer = ("Dense", "Layer")
+    kernel = policy.decide(placement.VariableInfo("dense/kernel", (64, 8), 4, layer))
+    scale = policy.decide(placement.VariableInfo("norm/scale", (), 4, layer))
+    counter = policy.decide(placement.VariableInfo("adam/iteration", (), 8))
+    assert kernel.kind == placement.PS
+    assert scale.kind == counter.kind == placement.SHARED
+    assert len(scale.shards) == len(counter.shards) == 1
+    assert str(scale) == "/job:ps/task:1 (whole)"  # task 0 holds the kernel
+    assert policy.plan["norm/scale"].placement == scale
+    assert "adam/iteration" not in policy.plan
+    synchronous = placement.PlacementPolicy("ps", num_ps=2)
+    assert synchronous.decide(placement.VariableInfo("x", (), 4, layer)).kind == "mirrored"
+
+
+def test_a_killed_worker_ends_the_chief_with_exit_75_naming_it():
+    chief = FAULTY_CHIEF.replace(
+        "HybridStrategy(task_timeout=10)",
+        "HybridStrategy(task_timeout=10, architecture='ps', asynchronous=True)")
+    assert chief != FAULTY_CHIEF
+    run = subprocess.run(
+        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
+         "--", sys.executable, "-c", chief, "1", "SIGKILL"],
+        env=environ(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "training went on" not in run.stdout
+    assert "/job:worker/task:1 at " in run.stderr, run.stderr[-3000:]
+    assert "Exiting with code 75" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
