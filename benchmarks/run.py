@@ -185,6 +185,12 @@ class Task:
         self.process = None
         self.log = None
 
+    def log_tail(self, lines=15):
+        """The last lines of this task's output: what a failure says about itself."""
+        self.log.flush()
+        self.log.seek(0)
+        return "".join(self.log.readlines()[-lines:])
+
 
 def cluster_tasks(contender, workers, ps):
     """Task list of a contender's cluster: (name, job, index)."""
@@ -361,7 +367,8 @@ class ContenderRun:
             failed = [(t, c) for t, c in zip(self.trainers, codes) if c not in (None, 0)]
             if failed:
                 task, code = failed[0]
-                raise RuntimeError(f"{task.name} exited with code {code}")
+                raise RuntimeError(f"{task.name} exited with code {code}; its last output:\n"
+                                   f"{task.log_tail()}")
             if all(c == 0 for c in codes):
                 if pending:
                     raise RuntimeError(f"training ended without the {pending[0]} marker")

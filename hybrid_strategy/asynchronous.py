@@ -169,6 +169,10 @@ class AsyncDataset:
             self._synchronous = self._make_synchronous()
         return self._synchronous
 
+    @property
+    def element_spec(self):
+        return self.synchronous().element_spec
+
     def worker_iterator(self, worker):
         """A fresh iterator over worker `worker`'s batches, split over its replicas."""
         hosts = self._strategy.extended._input_workers_devices  # pylint: disable=protected-access

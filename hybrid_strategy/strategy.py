@@ -371,14 +371,16 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         batches.check_dataset(dataset)
         service_input.check_dataset(dataset, len(self._input_workers_devices))
-        # Each worker builds only its own batches (worker_input.py).
-        distribute = functools.partial(worker_input.distribute_dataset, self, dataset,
-                                       options, super()._experimental_distribute_dataset)
         if self.worker_scope:
-            # Each step trains one global batch on one worker's replicas.
+            # Each step trains one global batch on one worker's replicas; evaluation
+            # and prediction read TensorFlow's own distribution of the dataset.
             return asynchronous_lib.AsyncDataset(
-                self._container_strategy(), self.worker_scope, dataset, options, distribute)
-        return distribute()
+                self._container_strategy(), self.worker_scope, dataset, options,
+                functools.partial(super()._experimental_distribute_dataset, dataset,
+                                  options))
+        # Each worker builds only its own batches (worker_input.py).
+        return worker_input.distribute_dataset(
+            self, dataset, options, super()._experimental_distribute_dataset)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if self.worker_scope:
