@@ -96,14 +96,9 @@ def _send(array, starts, lengths, device, floatx):
     Floats are cast to `floatx` chunk by chunk, as Keras casts them.
     """
     dtype = floatx if np.issubdtype(array.dtype, np.floating) else array.dtype
-    row_bytes = max(1, array[:1].nbytes)
-    chunks, blocks, size = [], [], 0
-    pairs = list(zip(starts, lengths))
-    for i, pair in enumerate(pairs):
-        blocks.append(pair)
-        size += pair[1] * row_bytes
-        if size < CHUNK_BYTES and i + 1 < len(pairs):
-            continue
+    chunk_rows = max(1, CHUNK_BYTES // max(1, array[:1].nbytes))
+    chunks = []
+    for blocks in _chunks(starts, lengths, chunk_rows):
         local = tf.constant(input_graph.take_rows(array, *zip(*blocks)).astype(
             dtype, copy=False))
         with tf.device(device):
@@ -111,11 +106,26 @@ def _send(array, starts, lengths, device, floatx):
         # The copy must be done before the next chunk is made: one chunk at a time here.
         context.async_wait()
         del local
-        blocks, size = [], 0
     with tf.device(device):
         if not chunks:
             return tf.zeros((0,) + array.shape[1:], dtype=dtype)
         return chunks[0] if len(chunks) == 1 else tf.concat(chunks, axis=0)
+
+
+def _chunks(starts, lengths, chunk_rows):
+    """The blocks (start, length) cut into lists of blocks of `chunk_rows` rows in all
+    (the last fewer), in order: a block longer than that is split."""
+    blocks, size = [], 0
+    for start, length in zip(starts, lengths):
+        while length:
+            take = min(length, chunk_rows - size)
+            blocks.append((start, take))
+            start, length, size = start + take, length - take, size + take
+            if size == chunk_rows:
+                yield blocks
+                blocks, size = [], 0
+    if blocks:
+        yield blocks
 
 
 def _batches(share, num_rows, batch_size, shuffle, passes):

@@ -73,10 +73,12 @@ def install_keras_hooks(applies):
 
     iterator_class = keras_trainer.TFEpochIterator
     if not getattr(iterator_class.catch_stop_iteration, "_hybrid_varies", False):
+        # The adapter's dataset as the user gave it (Keras' TFDatasetAdapter), not
+        # get_tf_dataset(): for arrays that would build a new dataset of them, a copy.
         iterator_class.catch_stop_iteration = _forgetting_steps(
             iterator_class.catch_stop_iteration, "_num_batches",
             lambda self: applies(self._distribute_strategy)
-            and _varies_per_epoch(self.data_adapter.get_tf_dataset()))
+            and _varies_per_epoch(getattr(self.data_adapter, "_dataset", None)))
     from hybrid_strategy import batches  # pylint: disable=import-outside-toplevel
     legacy = batches.legacy_keras()
     if legacy is None:

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import hybrid_strategy
 from hybrid_strategy import array_input
+from hybrid_strategy import input_graph
 
 keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
@@ -257,31 +258,56 @@ def predicted_ids(strategy, dataset_fn):
 
 
 def case_numpy(models, strategy):
-    """Arrays: each worker receives only its rows; training, evaluate, predict exact."""
+    """Arrays: each worker receives only its rows, in chunks of at most CHUNK_BYTES (set
+    smaller than a worker's block of a batch, so blocks are split too), and no dataset
+    holds them whole; training, evaluate, predict exact."""
     features, y = make_arrays()
     weights = np.linspace(0.5, 1.5, ROWS).astype(np.float32)
-    sent = []
-    send = array_input._send  # pylint: disable=protected-access
+    sent, chunk_bytes, whole_datasets, hybrid = [], [], [], [True]
+    originals = (array_input._send, array_input.CHUNK_BYTES,  # pylint: disable=protected-access
+                 input_graph.take_rows, tf.data.Dataset.from_tensors)
 
     def recorded_send(array, starts, lengths, device, floatx):
         sent.append([device, int(sum(lengths)), len(array)])
-        return send(array, starts, lengths, device, floatx)
+        return originals[0](array, starts, lengths, device, floatx)
+
+    def recorded_take_rows(array, starts, lengths):
+        rows = originals[2](array, starts, lengths)
+        chunk_bytes.append(rows.nbytes)
+        return rows
+
+    def recorded_from_tensors(tensors, name=None):
+        # Keras' own dataset of arrays holds them whole: a copy of them on this process.
+        whole_datasets.extend(t.shape[0] for t in tf.nest.flatten(tensors) if hybrid[0]
+                              and getattr(t, "shape", ())[:1] == (ROWS,))
+        return originals[3](tensors, name)
 
     array_input._send = recorded_send  # pylint: disable=protected-access
+    array_input.CHUNK_BYTES = 200   # a worker's block of a batch holds 16 rows of 16 bytes
+    input_graph.take_rows = recorded_take_rows
+    tf.data.Dataset.from_tensors = recorded_from_tensors
     try:
-        model, reference = models.train_both(features, features, y=y, batch_size=BATCH,
-                                             shuffle=False, sample_weight=weights)
+        model, reference = models.reset()
+        model.fit(features, y, batch_size=BATCH, shuffle=False, sample_weight=weights,
+                  verbose=0)
+        hybrid[0] = False   # the reference on one device takes Keras' way
+        reference.fit(features, y, batch_size=BATCH, shuffle=False, sample_weight=weights,
+                      verbose=0)
+        hybrid[0] = True
         error = relative_error(model, reference)
         predicted = model.predict(features, batch_size=BATCH, verbose=0)
         evaluated = model.evaluate(features, y, batch_size=BATCH, verbose=0)
         # Each worker shuffles its own rows.
         shuffled = model.fit(features, y, batch_size=BATCH, epochs=1, verbose=0)
     finally:
-        array_input._send = send  # pylint: disable=protected-access
+        (array_input._send, array_input.CHUNK_BYTES,  # pylint: disable=protected-access
+         input_graph.take_rows, tf.data.Dataset.from_tensors) = originals
     return {
         "relative_error": error,
         "shuffled_loss": shuffled.history["loss"][-1],
         "sent": sent,
+        "largest_chunk_bytes": max(chunk_bytes),
+        "whole_array_datasets": len(whole_datasets),
         "predict_error": float(np.max(np.abs(
             predicted - reference.predict(features, batch_size=BATCH, verbose=0)))),
         "evaluate": [evaluated, reference.evaluate(features, y, batch_size=BATCH,

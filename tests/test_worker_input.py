@@ -109,6 +109,12 @@ def test_arrays_reach_each_worker_as_its_share_and_train_exactly(case, flavour):
     assert sorted(per_worker) == ["/job:worker/replica:0/task:0/device:CPU:0",
                                   "/job:worker/replica:0/task:1/device:CPU:0"]
     assert all(set(rows) == {ROWS // 2} for rows in per_worker.values())
+    # In chunks of at most CHUNK_BYTES (200 there), a worker's block of 256 bytes split.
+    assert 0 < arrays["largest_chunk_bytes"] <= 200
+    if flavour == "keras3":
+        # No dataset held the arrays whole on the chief (Keras 3's adapter makes one, a
+        # copy of them; tf_keras' adapter holds them as tensors already).
+        assert arrays["whole_array_datasets"] == 0
     assert arrays["relative_error"] <= TOLERANCE
     assert arrays["predict_error"] <= 1e-5          # in order
     loss, reference = arrays["evaluate"]
