@@ -158,9 +158,13 @@ def make_progress(trainer, spec, target, evaluate):
             seconds = paused - self.started - self.excluded
             loss = float((logs or {}).get("loss", math.nan))
             outcome = None
+            # On every task: under MultiWorkerMirroredStrategy, reading tf_keras' synced
+            # metric variables (the "loss" Mean is one of the model's weights) is an
+            # all-reduce, which every worker must join.
+            weights = self.model.get_weights()
             if spec["write_result"]:
                 point = {"seconds": seconds, "steps": (epoch + 1) * spec["eval_every"],
-                         "loss": loss, **evaluate(self.model)}
+                         "loss": loss, **evaluate(weights)}
                 point["examples"] = point["steps"] * spec["global_batch"]
                 self.points.append(point)
                 print(f"[{spec['contender']}] {json.dumps(point)}", file=sys.stderr, flush=True)
@@ -199,8 +203,8 @@ def train(spec):
     plain = trainer.build_model(strategy=tf.distribute.get_strategy())
     data = validation(spec["model"], trainer.module, spec["validation_examples"])
 
-    def evaluate(trained):
-        plain.set_weights(trained.get_weights())
+    def evaluate(weights):
+        plain.set_weights(weights)
         return measure(spec["model"], plain, data, tf)
 
     progress = make_progress(trainer, spec, target, evaluate)

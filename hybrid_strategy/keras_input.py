@@ -47,7 +47,8 @@ def install(applies):
 
 
 def _on_cluster(strategy, applies):
-    return applies(strategy) and strategy.cluster is not None
+    # Asynchronous training splits one dataset of the arrays among its workers itself.
+    return applies(strategy) and strategy.cluster is not None and not strategy.asynchronous
 
 
 def one_replica_spec(spec):

@@ -239,6 +239,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         # Asynchronous steps run on one worker each: while the strategy works for one
         # (`WorkerScope`), it replicates over that worker's devices only.
         self.worker_scope = asynchronous_lib.WorkerScope() if asynchronous else None
+        # One object: TF's batch reduction refuses values whose cross-device ops differ.
+        self._worker_reduction = cross_device_ops_lib.ReductionToOneDevice()
         if sparse_update not in sparse_optimizers.MODES:
             raise ValueError(f"sparse_update={sparse_update!r}; use one of "
                              f"{sparse_optimizers.MODES}.")
@@ -337,7 +339,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     def _get_cross_device_ops(self, value):
         if self.worker_scope and self.worker_scope.current() is not None:
             # Within one worker's step: its replicas' values meet on its host.
-            return cross_device_ops_lib.ReductionToOneDevice()
+            return self._worker_reduction
         return super()._get_cross_device_ops(value)
 
     @property

@@ -18,7 +18,9 @@ Cases:
 - convergence: a click-through model (two tables, an MLP, Adagrad, AUC) learns, the
   optimizer counts every step, epochs end after every step, and a checkpoint (and a
   Keras 3 weights file) written in the middle of an epoch holds every step handed out
-  before it.
+  before it;
+- language_model: an LSTM language model (a table, an LSTM whose gradients leave a
+  while loop, a softmax over the vocabulary, Adam) trains and counts every step.
 """
 
 import json
@@ -194,6 +196,40 @@ def convergence_case(make_strategy, workdir):
     }
 
 
+LM_VOCAB, LM_SEQ, LM_BATCH, LM_STEPS, LM_EPOCHS = 64, 6, 32, 8, 3
+
+
+def lm_data(n, seed):
+    """Token sequences whose next token is mostly the current one plus one."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, LM_VOCAB, (n, LM_SEQ + 1)).astype("int32")
+    follows = rng.random((n, LM_SEQ)) < 0.9
+    for t in range(LM_SEQ):
+        tokens[:, t + 1] = np.where(follows[:, t], (tokens[:, t] + 1) % LM_VOCAB,
+                                    tokens[:, t + 1])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def language_model_case(make_strategy):
+    """Embedding -> LSTM -> softmax over the vocabulary: several dense gradients come
+    out of the LSTM's while loop unattributed to a table, and are reduced together."""
+    strategy = make_strategy()
+    x, y = lm_data(LM_BATCH * LM_STEPS, seed=0)
+    keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((LM_SEQ,), dtype="int32"),
+            keras.layers.Embedding(LM_VOCAB, 16, name="embedding"),
+            keras.layers.LSTM(16, return_sequences=True, name="lstm"),
+            keras.layers.Dense(LM_VOCAB, name="softmax")])
+        model.compile(optimizer=keras.optimizers.Adam(0.02),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(LM_BATCH)
+    history = model.fit(dataset, epochs=LM_EPOCHS, verbose=0)
+    return {"loss": history.history["loss"],
+            "iterations": int(model.optimizer.iterations.numpy())}
+
+
 def refusals(make_strategy):
     """What asynchronous training refuses, with the first line of each error."""
     strategy = make_strategy()
@@ -217,6 +253,7 @@ def report(make_strategy, workers):
     out["linear_3_steps_per_call"] = linear_case(make_strategy, steps_per_execution=3)
     with tempfile.TemporaryDirectory() as workdir:
         out["convergence"] = convergence_case(make_strategy, workdir)
+    out["language_model"] = language_model_case(make_strategy)
     out["refusals"] = refusals(make_strategy)
     return out
 
