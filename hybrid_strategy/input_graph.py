@@ -295,7 +295,10 @@ class DatasetGraph:
         consumer.input[list(consumer.input).index(split.name)] = renamed[chain[0].name]
 
     def _seed_shuffles_below(self, split, seed):
-        """Gives every unseeded shuffle below `split` the seeds (seed, seed + 1)."""
+        """Makes every shuffle below `split` shuffle alike on every worker.
+
+        An unseeded one gets the seeds (seed, seed + 1); a seeded one keeps its seeds.
+        """
         pending, seen = [split.name], set()
         while pending:
             name = pending.pop()
@@ -309,13 +312,16 @@ class DatasetGraph:
             inputs = _data_inputs(node)
             seeds = [_const_value(self.nodes[n]) for n in inputs[2:4]] \
                 if node.op != "ShuffleDatasetV2" else [0, 0]
-            if any(s is None or s != 0 for s in seeds):
+            if any(s is None for s in seeds) or (node.op == "ShuffleDataset" and any(seeds)):
                 continue
-            # ShuffleDataset uses its seeds; the later versions draw them from a
-            # generator each worker makes for itself.
+            if not any(seeds):
+                seeds = [seed, seed + 1]
+            # ShuffleDataset uses its seeds; the later versions draw them from a seed
+            # generator, which each worker makes for itself, or which a global seed
+            # (tf.random.set_seed) ties to the resource of the process that made the
+            # dataset: either way the workers would not shuffle alike.
             del node.input[:]
-            node.input.extend(inputs[:2] + [self._add_const(seed, tf.int64).name,
-                                            self._add_const(seed + 1, tf.int64).name])
+            node.input.extend(inputs[:2] + [self._add_const(s, tf.int64).name for s in seeds])
             node.op = "ShuffleDataset"
             if "reshuffle_each_iteration" not in node.attr:  # ShuffleDatasetV2's default
                 node.attr["reshuffle_each_iteration"].b = True

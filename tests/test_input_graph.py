@@ -92,9 +92,16 @@ def test_each_worker_graph_holds_only_its_rows():
     assert all(size < 0.26 * whole for size in sizes)
 
 
-def test_unseeded_shuffle_below_a_take_shuffles_alike_on_every_worker():
-    dataset = tf.data.Dataset.range(100).shuffle(100).take(40).batch(8)
-    _, steps = global_batches(dataset, 2)
+@pytest.mark.parametrize("global_seed", [None, 7])
+def test_a_shuffle_below_a_take_shuffles_alike_on_every_worker(global_seed):
+    # With a global seed (keras.utils.set_random_seed), an unseeded shuffle gets op
+    # seeds and a seed generator of this process.
+    tf.random.set_seed(global_seed)
+    try:
+        dataset = tf.data.Dataset.range(100).shuffle(100).take(40).batch(8)
+        _, steps = global_batches(dataset, 2)
+    finally:
+        tf.random.set_seed(None)
     seen = [int(x) for step in steps for x in step]
     assert len(seen) == 40 and len(set(seen)) == 40
 
