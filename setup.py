@@ -22,8 +22,9 @@ setup(
         "absl-py",
     ],
     extras_require={
-        # tf_keras (TF_USE_LEGACY_KERAS=1): the tests run under it as well as Keras 3.
-        "test": ["pytest>=8", "tf-keras>=2.21,<2.22"],
+        # tf_keras (TF_USE_LEGACY_KERAS=1): the tests run under it as well as Keras 3;
+        # matplotlib: they check the plots of the time-to-accuracy report.
+        "test": ["pytest>=8", "tf-keras>=2.21,<2.22", "matplotlib"],
         # Plots of benchmarks/results (python -m benchmarks.report).
         "bench": ["matplotlib"],
     },

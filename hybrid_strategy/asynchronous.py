@@ -549,10 +549,12 @@ def _install_atomic_increments():
     """Keras 3 adds to a variable by reading it and assigning the sum; concurrent steps
     would lose increments of a shared one (the optimizer's iteration counter), so
     those add with the variable's own atomic operation."""
-    import keras  # pylint: disable=import-outside-toplevel
+    # Keras-private: the TensorFlow backend's variable class (keras.Variable subclasses
+    # it), where increments.py changes these methods too: both changes must chain.
+    from keras.src.backend.tensorflow import core  # pylint: disable=import-outside-toplevel
 
     for name in ("assign_add", "assign_sub"):
-        original = getattr(keras.Variable, name)
+        original = getattr(core.Variable, name)
 
         def atomic(self, value, original=original, name=name):
             target = getattr(self, "_value", None)
@@ -560,7 +562,7 @@ def _install_atomic_increments():
                 return original(self, value)
             return getattr(target, name)(self._convert_to_tensor(value, dtype=self.dtype))
 
-        setattr(keras.Variable, name, atomic)
+        setattr(core.Variable, name, atomic)
 
 
 def _install_saving_waits():
