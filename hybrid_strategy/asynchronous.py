@@ -452,7 +452,6 @@ def install(asynchronous_scope):
         return
     _installed = True
     _install_keras3(asynchronous_scope)
-    _install_atomic_increments()
     _install_saving_waits()
     from hybrid_strategy import batches  # pylint: disable=import-outside-toplevel
     legacy = batches.legacy_keras()
@@ -543,26 +542,6 @@ def _join_at_the_end(iterator_class, dataset_attribute):
         join_all()
 
     iterator_class.catch_stop_iteration = joining_at_the_end
-
-
-def _install_atomic_increments():
-    """Keras 3 adds to a variable by reading it and assigning the sum; concurrent steps
-    would lose increments of a shared one (the optimizer's iteration counter), so
-    those add with the variable's own atomic operation."""
-    # Keras-private: the TensorFlow backend's variable class (keras.Variable subclasses
-    # it), where increments.py changes these methods too: both changes must chain.
-    from keras.src.backend.tensorflow import core  # pylint: disable=import-outside-toplevel
-
-    for name in ("assign_add", "assign_sub"):
-        original = getattr(core.Variable, name)
-
-        def atomic(self, value, original=original, name=name):
-            target = getattr(self, "_value", None)
-            if not is_shared(target):
-                return original(self, value)
-            return getattr(target, name)(self._convert_to_tensor(value, dtype=self.dtype))
-
-        setattr(core.Variable, name, atomic)
 
 
 def _install_saving_waits():

@@ -10,7 +10,8 @@ in a chain. Every copy of a mirrored variable holds the same value, so adding th
 same number to each copy where it lives is the same update, with nothing crossing.
 `install` makes Keras 3 do that for numbers added to the mirrored variables of the
 strategies `applies` accepts, unless the variable sums its replicas' updates
-(`aggregation="sum"`, where W replicas adding 1 add W).
+(`aggregation="sum"`, where W replicas adding 1 add W). A variable shared by
+asynchronous steps (asynchronous.py) adds with its own atomic operation.
 
 ```python
 import keras
@@ -31,6 +32,8 @@ import tensorflow as tf
 # TF-private: the variable type whose copies live one per replica device.
 from tensorflow.python.distribute import values as values_lib
 
+from hybrid_strategy import asynchronous
+
 
 def install(applies):
     """Makes Keras 3 add numbers to mirrored variables of `applies(strategy)` per copy."""
@@ -50,6 +53,10 @@ def install(applies):
 def _per_copy(original, name, applies, in_stateless_scope):
     def add(self, value):
         copies = getattr(self, "_value", None)
+        if asynchronous.is_shared(copies):
+            # One variable that concurrent asynchronous steps add to (the optimizer's
+            # step counter): its own atomic operation, so that no increment is lost.
+            return getattr(copies, name)(self._convert_to_tensor(value, dtype=self.dtype))
         if (not isinstance(value, numbers.Number)
                 or not isinstance(copies, values_lib.MirroredVariable)
                 or not applies(copies.distribute_strategy) or in_stateless_scope()):
