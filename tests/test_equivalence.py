@@ -128,9 +128,10 @@ def test_misfit_placements_warn_once_each(report):
     assert any("'hidden/kernel' is on a PS but gets a dense gradient" in w for w in forced)
 
 
-def test_predict_and_evaluate_match_single_device(report):
+@pytest.mark.parametrize("case", scenario.INFERENCE_CASES)
+def test_predict_and_evaluate_match_single_device(report, case):
     _, result = report
-    case = result["adagrad"]
+    case = result[case]
     assert case["predict_error"] <= TOLERANCE
     assert case["evaluate_loss"] == pytest.approx(case["reference_loss"], rel=TOLERANCE)
 
