@@ -6,11 +6,13 @@ tf_keras, and always import the package from this checkout:
     report = json_report(on_cluster("tests/scenario.py", workers=2, ps=1), "scenario")
 """
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from concurrent import futures
 
 import pytest
 
@@ -79,3 +81,70 @@ def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=RO
     if run.returncode != 0:
         pytest.fail(f"{what} exited {run.returncode}:\n{run.stderr[-6000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+# Chief programs run in the background, two at a time: a chief alone keeps about one of
+# two cores busy (it traces while its servers wait), so the next one runs beside it.
+_POOL = futures.ThreadPoolExecutor(2, thread_name_prefix="runs")
+
+
+class Job:
+    """A function that runs one chief program (or a few, one after the other) and returns
+    what the tests read, run once in the background."""
+
+    def __init__(self, run):
+        self._run = run
+        self._future = None
+
+    def start(self):
+        if self._future is None:
+            self._future = _POOL.submit(self._run)
+
+    def result(self):
+        self.start()
+        return self._future.result()
+
+
+class Runs:
+    """The chief programs of a test module, started before the tests need them.
+
+    `jobs` maps a key to a function (or another module's `Job`); a test names a job by
+    a parameter or a fixture of the same name. The first result a module asks for starts,
+    in order, every job its selected tests name:
+
+        RUNS = Runs({flavour: functools.partial(json_report, arguments, what, flavour)
+                     for flavour in ("keras3", "tf_keras")})
+
+        @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
+        def report(request):
+            return RUNS.result(request.param, request)
+    """
+
+    def __init__(self, jobs):
+        self._jobs = {key: job if isinstance(job, Job) else Job(job)
+                      for key, job in jobs.items()}
+        self._modules = set()
+
+    @classmethod
+    def in_directories(cls, run, keys, tmp_path_factory):
+        """The runs of `run(key, directory)` for each of `keys`, each in a new directory."""
+        return cls({key: functools.partial(run, key, str(tmp_path_factory.mktemp(key)))
+                    for key in keys})
+
+    def job(self, key):
+        return self._jobs[key]
+
+    def result(self, key, request):
+        """Job `key`'s result, once it is done."""
+        if request.module.__name__ not in self._modules:
+            self._modules.add(request.module.__name__)
+            named = set()
+            for item in request.session.items:
+                if getattr(item, "module", None) is request.module:
+                    callspec = getattr(item, "callspec", None)
+                    named.update(item.fixturenames, map(str, callspec.params.values())
+                                 if callspec else ())
+            for name, job in self._jobs.items():
+                if name in named:
+                    job.start()
+        return self._jobs[key].result()

@@ -1,11 +1,12 @@
 """Asynchronous training (`HybridStrategy(architecture="ps", asynchronous=True)`).
 
-tests/async_scenario.py runs once per shape (a module fixture): as the chief of a real
+tests/async_scenario.py runs once per shape (two at a time): as the chief of a real
 2-worker + 1-ps cluster, and on this machine alone with two CPU replicas (one worker,
 whose steps run one after the other, so that it must equal single-device training),
 under Keras 3 and, on one machine, tf_keras.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 import hybrid_strategy
 from hybrid_strategy import placement
-from runs import FAULTY_CHIEF, environ, json_report, on_cluster
+from runs import FAULTY_CHIEF, Runs, environ, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -24,20 +25,49 @@ STEPS, EPOCHS = 24, 6  # async_scenario.CTR_STEPS, CTR_EPOCHS
 LM_STEPS, LM_EPOCHS = 8, 3  # async_scenario.LM_STEPS, LM_EPOCHS
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    return json_report(on_cluster(SCENARIO, workers=2, ps=1), "async scenario on 2 workers")
+def killed_worker_run():
+    """FAULTY_CHIEF, training asynchronously, kills worker 1."""
+    chief = FAULTY_CHIEF.replace(
+        "HybridStrategy(task_timeout=10)",
+        "HybridStrategy(task_timeout=10, architecture='ps', asynchronous=True)")
+    assert chief != FAULTY_CHIEF
+    return subprocess.run(
+        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
+         "--", sys.executable, "-c", chief, "1", "SIGKILL"],
+        env=environ(), capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+# In the order the tests first need them.
+RUNS = Runs({
+    "keras3_one_machine": functools.partial(
+        json_report, [SCENARIO, "--local-replicas", "2"], "async scenario on one machine"),
+    "tf_keras_one_machine": functools.partial(
+        json_report, [SCENARIO, "--local-replicas", "2"],
+        "async scenario on one machine under tf_keras", flavour="tf_keras"),
+    "cluster": functools.partial(json_report, on_cluster(SCENARIO, workers=2, ps=1),
+                                 "async scenario on 2 workers"),
+    "killed_worker": killed_worker_run,
+})
 
 
 @pytest.fixture(scope="module")
-def keras3_one_machine():
-    return json_report([SCENARIO, "--local-replicas", "2"], "async scenario on one machine")
+def cluster(request):
+    return RUNS.result("cluster", request)
 
 
 @pytest.fixture(scope="module")
-def tf_keras_one_machine():
-    return json_report([SCENARIO, "--local-replicas", "2"], "async scenario on one machine "
-                       "under tf_keras", flavour="tf_keras")
+def killed_worker(request):
+    return RUNS.result("killed_worker", request)
+
+
+@pytest.fixture(scope="module")
+def keras3_one_machine(request):
+    return RUNS.result("keras3_one_machine", request)
+
+
+@pytest.fixture(scope="module")
+def tf_keras_one_machine(request):
+    return RUNS.result("tf_keras_one_machine", request)
 
 
 @pytest.fixture(params=["keras3_one_machine", "tf_keras_one_machine"])
@@ -161,17 +191,9 @@ def test_placement_shares_what_synchronous_training_mirrors():
     assert synchronous.decide(placement.VariableInfo("x", (), 4, layer)).kind == "mirrored"
 
 
-def test_a_killed_worker_ends_the_chief_with_exit_75_naming_it():
-    chief = FAULTY_CHIEF.replace(
-        "HybridStrategy(task_timeout=10)",
-        "HybridStrategy(task_timeout=10, architecture='ps', asynchronous=True)")
-    assert chief != FAULTY_CHIEF
-    run = subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
-         "--", sys.executable, "-c", chief, "1", "SIGKILL"],
-        env=environ(), capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert run.returncode == 75, run.stderr[-3000:]
-    assert "training went on" not in run.stdout
-    assert "/job:worker/task:1 at " in run.stderr, run.stderr[-3000:]
-    assert "Exiting with code 75" in run.stderr
-    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+def test_a_killed_worker_ends_the_chief_with_exit_75_naming_it(killed_worker):
+    assert killed_worker.returncode == 75, killed_worker.stderr[-3000:]
+    assert "training went on" not in killed_worker.stdout
+    assert "/job:worker/task:1 at " in killed_worker.stderr, killed_worker.stderr[-3000:]
+    assert "Exiting with code 75" in killed_worker.stderr
+    assert "Traceback" not in killed_worker.stderr, killed_worker.stderr[-3000:]

@@ -1,20 +1,21 @@
 """Any batch size trains as one device: uneven splits, partial and tiny batches.
 
-`tests/batch_sizes.py` runs once per shape: on one machine with two CPU replicas,
-every case, beside tf.distribute.MirroredStrategy on the same replicas, under Keras 3
-and tf_keras; on a real cluster of 2 workers and 2 ps started by the launcher, the
-cases whose arithmetic crosses workers (an uneven split, an empty replica, and under
-Keras 3 a divisor summed over the replicas). Each case is checked against one device
-training on the same global batches.
+`tests/batch_sizes.py` runs once per shape (two shapes at a time): on one machine
+with two CPU replicas, every case, beside tf.distribute.MirroredStrategy on the same
+replicas, under Keras 3 and tf_keras; on a real cluster of 2 workers and 2 ps started
+by the launcher, the cases whose arithmetic crosses workers (an uneven split, an empty
+replica, and under Keras 3 a divisor summed over the replicas). Each case is checked
+against one device training on the same global batches.
 """
 
+import functools
 import math
 import os
 
 import pytest
 
 import batch_sizes
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "batch_sizes.py")
@@ -35,16 +36,15 @@ SHAPES = {
                      CLUSTER_CASES + ["sequence_masked"]),
     "tf_keras_2workers_2ps": (on_2workers_2ps(CLUSTER_CASES), "tf_keras", CLUSTER_CASES),
 }
-_REPORTS = {}
+RUNS = Runs({shape: functools.partial(json_report, arguments, f"batch sizes on {shape}",
+                                      flavour, timeout=1800)
+             for shape, (arguments, flavour, _) in SHAPES.items()})
 
 
-def run_shape(shape):
-    """The report of `tests/batch_sizes.py` on `shape`, run once."""
-    if shape not in _REPORTS:
-        arguments, flavour, _ = SHAPES[shape]
-        _REPORTS[shape] = json_report(arguments, f"batch sizes on {shape}", flavour,
-                                      timeout=1800)
-    return _REPORTS[shape]
+@pytest.fixture(scope="module")
+def run_shape(request):
+    """`run_shape(shape)`: the report of `tests/batch_sizes.py` on `shape`, run once."""
+    return functools.partial(RUNS.result, request=request)
 
 
 def shape_cases():
@@ -60,21 +60,21 @@ def assert_close(errors, what):
 
 
 @pytest.mark.parametrize("shape, case", list(shape_cases()))
-def test_training_equals_one_device(shape, case):
+def test_training_equals_one_device(run_shape, shape, case):
     result = run_shape(shape)["cases"][case]
     assert result["moved"] > 1e-2, "training did not change the weights"
     assert_close({"weights": result["weights"]}, "fit")
 
 
 @pytest.mark.parametrize("shape, case", list(shape_cases()))
-def test_logged_loss_and_metrics_equal_one_device(shape, case):
+def test_logged_loss_and_metrics_equal_one_device(run_shape, shape, case):
     result = run_shape(shape)["cases"][case]
     assert_close(result["batch_logs"], "the logs after each batch")
     assert_close(result["epoch_logs"], "the epoch's logs")
 
 
 @pytest.mark.parametrize("shape, case", list(shape_cases()))
-def test_evaluate_and_predict_equal_one_device(shape, case):
+def test_evaluate_and_predict_equal_one_device(run_shape, shape, case):
     result = run_shape(shape)["cases"][case]
     assert_close(result["evaluate"], "evaluate")
     assert_close({"predictions": result["predict"]}, "predict")
@@ -82,7 +82,7 @@ def test_evaluate_and_predict_equal_one_device(shape, case):
 
 @pytest.mark.parametrize("shape", ["one_machine", "tf_keras_one_machine"])
 @pytest.mark.parametrize("case", list(batch_sizes.MIRRORED_CASES))
-def test_mirrored_strategy_does_not_train_as_one_device(shape, case):
+def test_mirrored_strategy_does_not_train_as_one_device(run_shape, shape, case):
     result = run_shape(shape)["mirrored"][case]
     assert_close({"weights": result["hybrid"]["weights"]}, "HybridStrategy")
     mirrored = result["mirrored"]
@@ -96,7 +96,7 @@ def test_mirrored_strategy_does_not_train_as_one_device(shape, case):
 
 
 @pytest.mark.parametrize("shape", ["one_machine", "tf_keras_one_machine"])
-def test_convolutions_on_an_empty_cpu_replica_get_a_clear_error(shape):
+def test_convolutions_on_an_empty_cpu_replica_get_a_clear_error(run_shape, shape):
     error = run_shape(shape)["layers"]["convolution"]
     assert error.startswith("InvalidArgumentError"), error
     assert ("a replica got no rows in this step (a global batch of fewer rows than the 2 "
@@ -105,14 +105,14 @@ def test_convolutions_on_an_empty_cpu_replica_get_a_clear_error(shape):
     assert "batch with drop_remainder=True" in error
 
 
-def test_per_replica_batch_statistics_of_an_empty_replica_get_a_clear_error():
+def test_per_replica_batch_statistics_of_an_empty_replica_get_a_clear_error(run_shape):
     error = run_shape("one_machine")["layers"]["unsynchronized_batchnorm"]
     assert error.startswith("InvalidArgumentError"), error
     assert "BatchNormalization layer norm computes its statistics per replica" in error
     assert "Use BatchNormalization(synchronized=True)" in error
 
 
-def test_tf_keras_sets_aside_the_statistics_of_an_empty_replica():
+def test_tf_keras_sets_aside_the_statistics_of_an_empty_replica(run_shape):
     # tf_keras' own handling of empty replicas, as under MirroredStrategy: it trains on,
     # with finite weights (its per-replica statistics differ from one device's anyway).
     difference = run_shape("tf_keras_one_machine")["layers"]["unsynchronized_batchnorm"]

@@ -13,11 +13,12 @@ report (one cluster run does every case):
 - `plain`: a Keras model without any strategy restores both the 2-ps and the
   one-machine saves (for export);
 - under tf_keras (TF_USE_LEGACY_KERAS=1), `save` on 2 ps and `restore` on 3 ps with
-  tf.train.Checkpoint.
+  tf.train.Checkpoint (while the Keras 3 phases run).
 Restored weights, optimizer slots and iterations must equal the saved ones exactly.
 """
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ import sys
 import numpy as np
 import pytest
 
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 VOCAB, SMALL_VOCAB, DIM, SEQ, BATCH, EPOCHS = 1001, 37, 8, 3, 32, 2
 # Small enough that the 32 KB table is dealt over every ps; the 592-byte one stays whole.
@@ -245,20 +246,35 @@ def _phase(phase, directory, ps=None, tf_keras=False):
                        "tf_keras" if tf_keras else "keras3")
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("checkpoints"))
+def _keras3_phases(directory):
     return {"save": _phase("save", directory, ps=2),
             "three_ps": _phase("restore", directory, ps=3),
             "one_machine": _phase("restore", directory),
             "plain": _phase("plain", directory)}
 
 
-@pytest.fixture(scope="module")
-def tf_keras_reports(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("tf_keras_checkpoints"))
+def _tf_keras_phases(directory):
     return {"save": _phase("save", directory, ps=2, tf_keras=True),
             "three_ps": _phase("restore", directory, ps=3, tf_keras=True)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The phases of each flavour, one after the other; both flavours at once."""
+    return Runs({"reports": functools.partial(
+                     _keras3_phases, str(tmp_path_factory.mktemp("checkpoints"))),
+                 "tf_keras_reports": functools.partial(
+                     _tf_keras_phases, str(tmp_path_factory.mktemp("tf_keras_checkpoints")))})
+
+
+@pytest.fixture(scope="module")
+def reports(request, runs):
+    return runs.result("reports", request)
+
+
+@pytest.fixture(scope="module")
+def tf_keras_reports(request, runs):
+    return runs.result("tf_keras_reports", request)
 
 
 def _assert_equal_to_saved(restored, keys, shards):

@@ -2,13 +2,14 @@
 
 `tests/dense_grads_scenario.py` trains a GPT-style decoder whose token table is its
 output projection, and a wide & deep click model whose every table is regularized,
-once per shape (a module fixture): on one machine with two CPU replicas (beside
+once per shape (two at a time): on one machine with two CPU replicas (beside
 `tf.distribute.MirroredStrategy`), and on a real cluster of 2 workers and 2 ps started
 by the launcher under Keras 3 and under tf_keras; and the regularized model once more
 in tf_keras' mixed_float16 with loss scaling, beside MirroredStrategy. The in-process
 tests below check what no cluster is needed for.
 """
 
+import functools
 import os
 import warnings
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import dense_grads_scenario as scenario
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dense_grads_scenario.py")
@@ -30,21 +31,29 @@ SHAPES = {
     "2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "keras3", 2),
     "tf_keras_2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "tf_keras", 2),
 }
-_REPORTS = {}
 
 
-def run_shape(shape):
-    """(flavour, ps tasks, report) of the scenario on `shape`, run once."""
-    if shape not in _REPORTS:
-        arguments, flavour, num_ps = SHAPES[shape]
-        _REPORTS[shape] = (flavour, num_ps, json_report(
-            arguments, f"dense_grads_scenario on {shape}", flavour, timeout=1800))
-    return _REPORTS[shape]
+def shape_report(shape):
+    """(flavour, ps tasks, report) of the scenario on `shape`."""
+    arguments, flavour, num_ps = SHAPES[shape]
+    return flavour, num_ps, json_report(arguments, f"dense_grads_scenario on {shape}",
+                                        flavour, timeout=1800)
+
+
+RUNS = Runs({**{shape: functools.partial(shape_report, shape) for shape in SHAPES},
+             "mixed_precision": functools.partial(
+                 json_report, [SCRIPT, "--local-replicas", "2", "--mixed-precision"],
+                 "dense_grads_scenario in mixed_float16", "tf_keras", timeout=1800)})
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
-    return run_shape(request.param)
+    return RUNS.result(request.param, request)
+
+
+@pytest.fixture(scope="module")
+def mixed_precision(request):
+    return RUNS.result("mixed_precision", request)
 
 
 def on_ps(devices, num_ps):
@@ -61,8 +70,8 @@ def test_trained_weights_match_single_device(report, case):
         f"{case}: {worst} differs from single-device training by {errors[worst]:.2e}")
 
 
-def test_trained_weights_match_mirrored_strategy():
-    result = run_shape("one_machine")[2]
+def test_trained_weights_match_mirrored_strategy(request):
+    result = RUNS.result("one_machine", request)[2]
     # Keras 3 under MirroredStrategy: no Adam (see the scenario).
     compared = {"lm/momentum", "ctr/adagrad_clip", "ctr_norm/adagrad"}
     assert {case for case in result if "vs_mirrored" in result[case]} == compared
@@ -114,12 +123,10 @@ def test_regularized_tables_stay_on_the_ps_with_sparse_gradients(report, case):
     assert result["evaluate_loss"] == pytest.approx(result["reference_loss"], rel=TOLERANCE)
 
 
-def test_loss_scaling_reaches_the_penalties_gradients():
+def test_loss_scaling_reaches_the_penalties_gradients(mixed_precision):
     """tf_keras' mixed_float16 unscales each replica's gradient before the sum: the
     penalty's share has to be unscaled with it (it would be 32,768 times too big)."""
-    result = json_report([SCRIPT, "--local-replicas", "2", "--mixed-precision"],
-                         "dense_grads_scenario in mixed_float16", "tf_keras",
-                         timeout=1800)["ctr/mixed_float16"]
+    result = mixed_precision["ctr/mixed_float16"]
     assert result["optimizer"] == "LossScaleOptimizerV3"
     assert all(result["gradient_types"][path] == "sparse" for path in TABLES)
     assert result["moved"] > 1.0

@@ -1,7 +1,7 @@
 """Clipping, bad ids, empty datasets and type-checking Keras features on a real cluster.
 
-For each Keras flavour, `tests/edge_scenario.py` runs every case once as the chief
-of a 2-worker + 1-ps cluster (a module fixture), and once more, for the mixed
+For each Keras flavour (both at once), `tests/edge_scenario.py` runs every case once as
+the chief of a 2-worker + 1-ps cluster (a module fixture), and once more, for the mixed
 precision reference, under tf.distribute.MirroredStrategy over two local CPUs.
 """
 
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "edge_scenario.py")
@@ -19,15 +19,27 @@ OUT_OF_RANGE = ("embedding id out of range for table {table} (500 rows): "
                 "ids must be in [0, 500)")
 
 
-@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
-def report(request, tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp(request.param))
+FLAVOURS = ("keras3", "tf_keras")
+
+
+def reports(flavour, out_dir):
+    """The cluster's report, then the MirroredStrategy reference's."""
     result = json_report(on_cluster(SCENARIO, out_dir, workers=2, ps=1),
-                         f"edge cases on a cluster ({request.param})", request.param,
-                         timeout=1200)
+                         f"edge cases on a cluster ({flavour})", flavour, timeout=1200)
     reference = json_report([SCENARIO, "--mirrored-reference", out_dir],
-                            f"the MirroredStrategy reference ({request.param})",
-                            request.param, timeout=1200)
+                            f"the MirroredStrategy reference ({flavour})", flavour,
+                            timeout=1200)
+    return result, reference
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs.in_directories(reports, FLAVOURS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def report(request, runs):
+    result, reference = runs.result(request.param, request)
     assert result["replicas"] == 2
     return result, reference
 

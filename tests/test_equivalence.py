@@ -1,17 +1,19 @@
 """Distributed training equals single-device training, checked on real clusters.
 
-Each cluster shape runs `tests/scenario.py` once (a session fixture): on a local
-cluster of real `worker` and `ps` server processes started by the launcher, with
-the scenario as the chief, or on this machine alone with two CPU replicas. The
-tests then check the report against the single-device reference it contains.
+Each cluster shape runs `tests/scenario.py` once (a module fixture; two shapes at a
+time): on a local cluster of real `worker` and `ps` server processes started by the
+launcher, with the scenario as the chief, or on this machine alone with two CPU
+replicas. The tests then check the report against the single-device reference it
+contains.
 """
 
+import functools
 import os
 
 import pytest
 
 import scenario
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "scenario.py")
@@ -29,10 +31,13 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="session", params=list(SHAPES))
+RUNS = Runs({shape: functools.partial(json_report, arguments, f"scenario on {shape}", flavour)
+             for shape, (arguments, flavour) in SHAPES.items()})
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
-    arguments, flavour = SHAPES[request.param]
-    return request.param, json_report(arguments, f"scenario on {request.param}", flavour)
+    return request.param, RUNS.result(request.param, request)
 
 
 def num_ps(shape):

@@ -1,18 +1,19 @@
 """AdamW, Ftrl, MultiOptimizer and a LossScaleOptimizer train a recommender's PS tables.
 
 `tests/optimizer_scenario.py` runs as the chief of a real cluster of 2 workers and
-2 ps (Keras 3, and tf_keras), once per flavour (a module fixture): each case trains
+2 ps (Keras 3, and tf_keras), once per flavour (both at once): each case trains
 the recommender's three tables, split over both ps tasks, and its MLP with
 `model.fit`, and compares every weight and every optimizer slot of the tables with
 single-device training (dense gradients for exact mode, the lazy rule for lazy
 mode).
 """
 
+import functools
 import os
 
 import pytest
 
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "optimizer_scenario.py")
@@ -27,12 +28,15 @@ CASES = {
 }
 
 
+RUNS = Runs({flavour: functools.partial(json_report, on_cluster(SCRIPT, workers=2, ps=2),
+                                        f"optimizer_scenario ({flavour})", flavour)
+             for flavour in CASES})
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def report(request):
-    flavour = request.param
-    result = json_report(on_cluster(SCRIPT, workers=2, ps=2), f"optimizer_scenario ({flavour})",
-                         flavour)
-    assert sorted(result) == sorted(CASES[flavour])
+    result = RUNS.result(request.param, request)
+    assert sorted(result) == sorted(CASES[request.param])
     return result
 
 

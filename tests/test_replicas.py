@@ -1,11 +1,13 @@
 """Several replicas per worker, and the tf.data service, on real clusters.
 
-One launcher run per Keras flavour (a module fixture): 2 workers with 2 CPU devices each
-(`--devices-per-worker 2`), 1 ps and a tf.data service dispatcher with 2 workers
-(`--data-service-workers 2`), tests/replicas_scenario.py as the chief, which ends by
-killing the dispatcher. The option checks run without a cluster.
+One launcher run per Keras flavour (in the background, two programs at a time): 2
+workers with 2 CPU devices each (`--devices-per-worker 2`), 1 ps and a tf.data service
+dispatcher with 2 workers (`--data-service-workers 2`), tests/replicas_scenario.py as
+the chief, which ends by killing the dispatcher. The option checks run without a
+cluster.
 """
 
+import functools
 import json
 import os
 import socket
@@ -19,7 +21,7 @@ import replicas_scenario
 from hybrid_strategy import cluster, data_service, hierarchical_allreduce, launch, server
 from hybrid_strategy import service_input
 from hybrid_strategy import strategy as strategy_lib
-from runs import ROOT, environ
+from runs import ROOT, Runs, environ
 from test_launch import gone
 
 TOLERANCE = 1e-5
@@ -28,16 +30,26 @@ LAUNCH = ["-m", "hybrid_strategy.launch", "--workers", "2", "--devices-per-worke
           "--ps", "1", "--data-service-workers", "2", "--", sys.executable, SCENARIO]
 
 
-@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
-def launched(request):
+FLAVOURS = ("keras3", "tf_keras")
+
+
+def launcher_run(flavour):
     """The launcher's run: (its report, the run); the chief ends by losing the dispatcher."""
-    run = subprocess.run([sys.executable] + LAUNCH, env=environ(request.param), cwd=ROOT,
+    run = subprocess.run([sys.executable] + LAUNCH, env=environ(flavour), cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        pytest.fail(f"2 workers x 2 replicas ({request.param}) exited {run.returncode} "
+        pytest.fail(f"2 workers x 2 replicas ({flavour}) exited {run.returncode} "
                     f"without a report:\n{run.stderr[-6000:]}")
     return json.loads(lines[0]), run
+
+
+RUNS = Runs({flavour: functools.partial(launcher_run, flavour) for flavour in FLAVOURS})
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def launched(request):
+    return RUNS.result(request.param, request)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A model trained on a cluster is served from its SavedModel by plain TensorFlow.
 
-For each Keras flavour, `tests/serving_scenario.py` trains a model whose tables are
+For each Keras flavour (both at once), `tests/serving_scenario.py` trains a model whose tables are
 split into shards on a real 2-worker + 1-ps cluster and exports it every way that
 flavour offers; `tests/serve_saved_model.py` then loads each SavedModel in another
 process, with no TF_CONFIG and the `hybrid_strategy` package unimportable, and
@@ -13,23 +13,34 @@ import os
 import numpy as np
 import pytest
 
-from runs import environ, json_report, on_cluster
+from runs import Runs, environ, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
-def served(request, tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp(request.param))
+FLAVOURS = ("keras3", "tf_keras")
+
+
+def train_and_serve(flavour, out_dir):
     trained = json_report(on_cluster(os.path.join(HERE, "serving_scenario.py"), out_dir,
                                      workers=2, ps=1),
-                          f"training on the cluster ({request.param})", request.param)
-    serve_env = {k: v for k, v in environ(request.param).items() if k != "PYTHONPATH"}
+                          f"training on the cluster ({flavour})", flavour)
+    serve_env = {k: v for k, v in environ(flavour).items() if k != "PYTHONPATH"}
     served = json_report([os.path.join(HERE, "serve_saved_model.py"),
                           json.dumps(trained["held_out"])] + list(trained["exports"].values()),
                          "serving", env=serve_env, timeout=600, cwd=out_dir)
-    return request.param, trained, served
+    return flavour, trained, served
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs.in_directories(train_and_serve, FLAVOURS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def served(request, runs):
+    return runs.result(request.param, request)
 
 
 def test_every_export_path_of_the_flavour_was_written(served):

@@ -2,12 +2,13 @@
 
 `tests/user_models.py` trains four models (tables inside a wrapping layer, in a
 subclassed model, as a custom layer's own weight read by row, three layers deep)
-with SGD and Adagrad, once per shape (a module fixture): on one machine with two
+with SGD and Adagrad, once per shape (two at a time): on one machine with two
 CPU replicas, beside `tf.distribute.MirroredStrategy` on the same replicas; on a
 real cluster of 2 workers and 2 ps started by the launcher; under tf_keras on one
 machine. The in-process tests below check placement overrides on one device.
 """
 
+import functools
 import os
 import warnings
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import user_models
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "user_models.py")
@@ -37,22 +38,20 @@ MIRRORED_SHAPES = [shape for shape, (_, _, num_ps) in SHAPES.items() if num_ps =
 # classifier), so only the exact pairs are compared with it.
 MIRRORED_PAIRS = [(shape, case) for shape in MIRRORED_SHAPES for case in CASES
                   if not (SHAPES[shape][1] == "keras3" and case.endswith("/adagrad"))]
-_REPORTS = {}
+
+def shape_report(shape):
+    """(shape, flavour, ps tasks, report) of `tests/user_models.py` on `shape`."""
+    arguments, flavour, num_ps = SHAPES[shape]
+    return shape, flavour, num_ps, json_report(arguments, f"user_models on {shape}", flavour,
+                                               timeout=1800)
 
 
-def run_shape(shape):
-    """(shape, flavour, ps tasks, report) of `tests/user_models.py` on `shape`, run once."""
-    if shape not in _REPORTS:
-        arguments, flavour, num_ps = SHAPES[shape]
-        _REPORTS[shape] = (shape, flavour, num_ps,
-                           json_report(arguments, f"user_models on {shape}", flavour,
-                                       timeout=1800))
-    return _REPORTS[shape]
+RUNS = Runs({shape: functools.partial(shape_report, shape) for shape in SHAPES})
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
-    return run_shape(request.param)
+    return RUNS.result(request.param, request)
 
 
 def read_by_row(path, flavour):
@@ -146,16 +145,16 @@ def test_trained_weights_match_single_device(report, case):
 
 
 @pytest.mark.parametrize("shape,case", MIRRORED_PAIRS)
-def test_trained_weights_match_mirrored_strategy(shape, case):
-    errors = run_shape(shape)[3][case]["vs_mirrored"]
+def test_trained_weights_match_mirrored_strategy(request, shape, case):
+    errors = RUNS.result(shape, request)[3][case]["vs_mirrored"]
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE, (
         f"{case}: {worst} differs from MirroredStrategy by {errors[worst]:.2e}")
 
 
 @pytest.mark.parametrize("shape", MIRRORED_SHAPES)
-def test_both_strategies_train_in_one_process(shape):
-    turns = run_shape(shape)[3]["two_strategies"]
+def test_both_strategies_train_in_one_process(request, shape):
+    turns = RUNS.result(shape, request)[3]["two_strategies"]
     assert set(turns) == {"hybrid", "mirrored", "hybrid_again", "mirrored_again"}
     assert max(turns.values()) <= TOLERANCE, turns
 

@@ -1,18 +1,20 @@
 """Each worker builds only its own batches, on real clusters (tests/input_scenario.py).
 
-One cluster of 2 workers + 1 ps runs every case under Keras 3, another the cases of
-arrays, in-memory datasets and per-worker input functions under tf_keras; the tests
+One cluster of 2 workers + 1 ps runs every case under Keras 3, another, at the same
+time, the cases of arrays, in-memory datasets and per-worker input functions under
+tf_keras; the tests
 read their reports. Examples are counted where the workers process them (a log each
 dataset's map writes), and training is compared with one device on the same global
 batches.
 """
 
 import collections
+import functools
 import os
 
 import pytest
 
-from runs import json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "input_scenario.py")
@@ -25,20 +27,15 @@ BOTH = pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
 KERAS3 = pytest.mark.parametrize("flavour", ["keras3"])
 
 
+RUNS = Runs({flavour: functools.partial(
+    json_report, on_cluster(SCENARIO, *cases), f"input scenario ({flavour})", flavour)
+    for flavour, cases in (("keras3", ()), ("tf_keras", (TF_KERAS_CASES,)))})
+
+
 @pytest.fixture(scope="module")
-def case():
+def case(request):
     """`case(flavour, name)`: that case's report; one cluster run per flavour."""
-    reports = {}
-
-    def get(flavour, name):
-        if flavour not in reports:
-            arguments = on_cluster(SCENARIO, *(() if flavour == "keras3"
-                                              else (TF_KERAS_CASES,)))
-            reports[flavour] = json_report(arguments, f"input scenario ({flavour})",
-                                           flavour)
-        return reports[flavour][name]
-
-    return get
+    return lambda flavour, name: RUNS.result(flavour, request)[name]
 
 
 def uses(ids):
