@@ -1,11 +1,18 @@
-"""keras_examples: importable together, the text classifier's data and learning, a run."""
+"""keras_examples: importable together, the text classifier's data and learning, a run.
 
+The programs run in the background, two at a time.
+"""
+
+import functools
 import importlib
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+from runs import Runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ("recommender", "language_model", "decoder_lm", "cnn", "text_classifier", "criteo")
@@ -50,45 +57,85 @@ def test_text_classifier_learns_within_a_few_dozen_steps():
     assert history.history["val_auc"][-1] > 0.57
 
 
-def test_text_classifier_runs_as_a_program():
+def text_classifier_program():
     command = [sys.executable, os.path.join(REPO, "keras_examples", "text_classifier.py"),
                "--strategy=none", "--epochs=1", "--steps_per_epoch=2", "--verbose=0",
                "--vocab_size=1000", "--batch_size=64", "--examples=128",
                "--validation_examples=64"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
-                            check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines()[-1].startswith("final: val_auc=")
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                          check=False)
 
 
-def test_criteo_writes_its_shards_then_trains_from_them(tmp_path):
+def criteo_programs(data_dir):
+    """Criteo's writing run, then its training run if the first one succeeded; and the
+    training files written."""
     # Smaller: 26 tables of 50 rows, 2 shards of 128 records, 2 steps on one machine.
     command = [sys.executable, os.path.join(REPO, "keras_examples", "criteo.py"),
-               f"--data_dir={tmp_path}", "--table_sizes=" + ",".join(["50"] * 26)]
+               f"--data_dir={data_dir}", "--table_sizes=" + ",".join(["50"] * 26)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    results = []
     for extra in (["--write_files", "--files=2", "--examples=256",
                    "--validation_examples=128"],
                   ["--epochs=1", "--steps_per_epoch=2", "--verbose=0", "--batch_size=64",
                    "--hidden_units=16"]):
-        result = subprocess.run(command + extra, capture_output=True, text=True, timeout=300,
-                                env=env, check=False)
-        assert result.returncode == 0, result.stderr[-2000:]
-    assert len(list((tmp_path / "train").glob("*.tfrecord"))) == 2
-    assert result.stdout.splitlines()[-1].startswith("final: val_auc=")
+        results.append(subprocess.run(command + extra, capture_output=True, text=True,
+                                      timeout=300, env=env, check=False))
+        if results[-1].returncode != 0:
+            break
+    return results, len(list((data_dir / "train").glob("*.tfrecord")))
 
 
-def test_readme_main_job_trains_on_a_local_cluster_and_exits_quietly():
+def readme_main_job():
     # README's first command, smaller: the recommender on 2 workers + 1 ps.
     command = [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
                "--", sys.executable, os.path.join(REPO, "keras_examples", "recommender.py"),
                "--epochs=1", "--steps_per_epoch=3", "--verbose=0", "--batch_size=64",
                "--examples=256", "--validation_examples=64"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
-                            cwd=REPO, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1].startswith("final: val_auc=")
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO, check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs({"text_classifier": text_classifier_program,
+                 "criteo": functools.partial(criteo_programs, tmp_path_factory.mktemp("criteo")),
+                 "readme_job": readme_main_job})
+
+
+@pytest.fixture
+def text_classifier(request, runs):
+    return runs.result("text_classifier", request)
+
+
+@pytest.fixture
+def criteo(request, runs):
+    return runs.result("criteo", request)
+
+
+@pytest.fixture
+def readme_job(request, runs):
+    return runs.result("readme_job", request)
+
+
+def test_text_classifier_runs_as_a_program(text_classifier):
+    assert text_classifier.returncode == 0, text_classifier.stderr[-2000:]
+    assert text_classifier.stdout.splitlines()[-1].startswith("final: val_auc=")
+
+
+def test_criteo_writes_its_shards_then_trains_from_them(criteo):
+    results, train_files = criteo
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert len(results) == 2
+    assert train_files == 2
+    assert results[-1].stdout.splitlines()[-1].startswith("final: val_auc=")
+
+
+def test_readme_main_job_trains_on_a_local_cluster_and_exits_quietly(readme_job):
+    assert readme_job.returncode == 0, readme_job.stderr[-3000:]
+    assert readme_job.stdout.splitlines()[-1].startswith("final: val_auc=")
     # TensorFlow cannot release functions that run on remote tasks; the strategy
     # skips those releases at exit instead of logging one line per function.
-    assert "releasing multi-device function handle" not in result.stderr
+    assert "releasing multi-device function handle" not in readme_job.stderr

@@ -1,5 +1,9 @@
-"""A worker or ps task killed during training ends the chief with exit code 75, naming it."""
+"""A worker or ps task killed during training ends the chief with exit code 75, naming it.
 
+The launcher runs go in the background, two at a time.
+"""
+
+import functools
 import json
 import os
 import subprocess
@@ -8,18 +12,39 @@ import textwrap
 
 import pytest
 
-from runs import FAULTY_CHIEF
+from runs import FAULTY_CHIEF, Runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-@pytest.mark.parametrize("victim", [1, 2], ids=["worker", "ps"])
-def test_killed_task_ends_the_chief_with_exit_75_naming_it(victim):
+# FAULTY_CHIEF's victims: the server that it kills.
+VICTIMS = {"worker": 1, "ps": 2}
+# A chief raising UnavailableError, as a lost task would make TensorFlow raise, but with
+# every task answering.
+UNAVAILABLE_CHIEF = textwrap.dedent("""
+    import tensorflow as tf
+    import hybrid_strategy
+    hybrid_strategy.HybridStrategy()
+    raise tf.errors.UnavailableError(None, None, "the data server is down")
+""")
+
+
+def launched(workers, *chief):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
     env.pop("TF_CONFIG", None)
-    run = subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
-         "--", sys.executable, "-c", FAULTY_CHIEF, str(victim), "SIGKILL"],
+    return subprocess.run(
+        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps",
+         "1", "--", sys.executable, "-c", *chief],
         env=env, capture_output=True, text=True, timeout=240)
+
+
+RUNS = Runs({**{victim: functools.partial(launched, 2, FAULTY_CHIEF, str(server), "SIGKILL")
+                for victim, server in VICTIMS.items()},
+             "unavailable": functools.partial(launched, 1, UNAVAILABLE_CHIEF)})
+
+
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_killed_task_ends_the_chief_with_exit_75_naming_it(request, victim):
+    run = RUNS.result(victim, request)
     assert run.returncode == 75, run.stderr[-3000:]
     job, index, address = json.loads(run.stdout.splitlines()[0])
     assert "training went on" not in run.stdout
@@ -30,19 +55,13 @@ def test_killed_task_ends_the_chief_with_exit_75_naming_it(victim):
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
 
 
-def test_an_error_no_lost_task_caused_is_left_alone():
+@pytest.fixture
+def unavailable(request):
+    return RUNS.result("unavailable", request)
+
+
+def test_an_error_no_lost_task_caused_is_left_alone(unavailable):
     # UnavailableError, as a lost task would raise, but every task answers and none is named.
-    chief = textwrap.dedent("""
-        import tensorflow as tf
-        import hybrid_strategy
-        hybrid_strategy.HybridStrategy()
-        raise tf.errors.UnavailableError(None, None, "the data server is down")
-    """)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
-    run = subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps", "1",
-         "--", sys.executable, "-c", chief],
-        env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 1, run.stderr[-3000:]
-    assert "UnavailableError: the data server is down" in run.stderr
-    assert "Traceback" in run.stderr and "HybridStrategy: lost" not in run.stderr
+    assert unavailable.returncode == 1, unavailable.stderr[-3000:]
+    assert "UnavailableError: the data server is down" in unavailable.stderr
+    assert "Traceback" in unavailable.stderr and "HybridStrategy: lost" not in unavailable.stderr

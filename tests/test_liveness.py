@@ -1,4 +1,8 @@
-"""Liveness: a hung task, a silent listener, restarts. Real processes on loopback."""
+"""Liveness: a hung task, a silent listener, restarts. Real processes on loopback.
+
+The launcher runs that restart after a lost task (and the one that loses none) run in
+the background, two at a time; the tests whose timing matters run alone.
+"""
 
 import json
 import os
@@ -17,7 +21,7 @@ import pytest
 import hybrid_strategy
 from hybrid_strategy import cluster
 from hybrid_strategy.launch import LocalCluster
-from runs import FAULTY_CHIEF, SMALL_CHIEF
+from runs import FAULTY_CHIEF, SMALL_CHIEF, Runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
@@ -111,12 +115,18 @@ RESTARTING_CHIEF = textwrap.dedent("""
 """)
 
 
-def restarting_launcher(tmp_path, victim, max_restarts):
-    out = tmp_path / "state.npz"
+# Launcher runs of RESTARTING_CHIEF: name -> (victim, restarts allowed).
+RESTARTS = {"uninterrupted": (-1, 0), "worker": (1, 2), "ps": (2, 2)}
+
+
+def restarting_launcher(name, directory):
+    """(the launcher's run, the state file) of RESTARTS[name]."""
+    victim, max_restarts = RESTARTS[name]
+    out = os.path.join(directory, "state.npz")
     run = subprocess.run(
         [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
          "--max-restarts", str(max_restarts), "--", sys.executable, "-c", RESTARTING_CHIEF,
-         str(tmp_path / "backup"), str(out), str(victim)],
+         os.path.join(directory, "backup"), out, str(victim)],
         env=ENV, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=600)
     return run, out
@@ -128,8 +138,13 @@ def load(path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run, out = restarting_launcher(tmp_path_factory.mktemp("uninterrupted"), -1, 0)
+def restarts(tmp_path_factory):
+    return Runs.in_directories(restarting_launcher, RESTARTS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(request, restarts):
+    run, out = restarts.result("uninterrupted", request)
     assert run.returncode == 0, run.stderr[-3000:]
     state = load(out)
     assert list(state.pop("epochs_run")) == [0, 1, 2, 3]
@@ -144,11 +159,11 @@ def assert_same_state(state, expected):
         assert state[name].dtype == value.dtype and np.array_equal(state[name], value), name
 
 
-@pytest.mark.parametrize("victim, task", [(1, "/job:worker/task:1"), (2, "/job:ps/task:0")],
-                         ids=["worker", "ps"])
+@pytest.mark.parametrize("victim, task", [("worker", "/job:worker/task:1"),
+                                          ("ps", "/job:ps/task:0")], ids=["worker", "ps"])
 def test_launcher_restarts_after_a_killed_task_and_resumes_from_the_backup(
-        tmp_path, uninterrupted, victim, task):
-    run, out = restarting_launcher(tmp_path, victim, max_restarts=2)
+        request, restarts, uninterrupted, victim, task):
+    run, out = restarts.result(victim, request)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (f"hybrid_strategy.launch: server {task} (pid " in run.stderr
             and "was killed by SIGKILL; the chief exited with code 75 (a task was lost); "
