@@ -207,6 +207,17 @@ def test_a_chief_restarted_against_the_same_servers_resumes_without_stale_state(
     assert_same_state(state, uninterrupted)
 
 
+def servers_output_until_serving_again(capfd, servers):
+    """What a `quiet=False` cluster's `servers` printed until each says it serves anew
+    (at most 120 s)."""
+    output = ""
+    deadline = time.monotonic() + 120
+    while output.count("serving on") < servers and time.monotonic() < deadline:
+        time.sleep(0.5)
+        output += capfd.readouterr().err
+    return output
+
+
 def test_servers_start_afresh_when_their_chief_is_gone(capfd):
     grpc = pytest.importorskip("grpc")
     with LocalCluster(workers=1, ps=1, quiet=False) as local:
@@ -218,11 +229,7 @@ def test_servers_start_afresh_when_their_chief_is_gone(capfd):
         time.sleep(3)  # the servers see the chief answer
         capfd.readouterr()
         chief.stop(None)
-        output = ""
-        deadline = time.monotonic() + 120
-        while output.count("serving on") < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-            output += capfd.readouterr().err
+        output = servers_output_until_serving_again(capfd, servers=2)
         for job in ("worker", "ps"):
             assert (f"hybrid_strategy.server: /job:{job}/task:0: the chief at {chief_address} "
                     "has not answered for 5 s (connection refused); starting afresh to drop "
@@ -243,8 +250,8 @@ PAUSED_CHIEF = SMALL_CHIEF + textwrap.dedent("""
 """)
 
 
-def test_a_chief_stopped_longer_than_the_chief_timeout_exits_75_when_it_resumes():
-    with LocalCluster(workers=2, ps=1) as local:
+def test_a_chief_stopped_longer_than_the_chief_timeout_exits_75_when_it_resumes(capfd):
+    with LocalCluster(workers=2, ps=1, quiet=False) as local:
         chief = subprocess.Popen([sys.executable, "-c", PAUSED_CHIEF],
                                  env=local.chief_environ(ENV), cwd=REPO,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -252,8 +259,10 @@ def test_a_chief_stopped_longer_than_the_chief_timeout_exits_75_when_it_resumes(
         try:
             ready, _, _ = select.select([chief.stdout], [], [], 180)
             assert ready and chief.stdout.readline() == "trained\n"
+            capfd.readouterr()
             os.kill(chief.pid, signal.SIGSTOP)
-            time.sleep(25)  # the servers start afresh 5 s after the chief went silent
+            # The servers start afresh 5 s after the chief went silent.
+            servers_output_until_serving_again(capfd, servers=3)
             os.kill(chief.pid, signal.SIGCONT)
             stdout, stderr = chief.communicate("go\n", timeout=120)
         finally:
