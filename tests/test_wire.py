@@ -1,7 +1,9 @@
 """Fewer tensors between tasks per step, and bfloat16 rows on the wire, on a real cluster.
 
 `tests/wire_scenario.py` runs once as the chief of a 2-worker + 2-ps cluster (a module
-fixture); the tests read its report. The rest runs in this process.
+fixture); the tests read its report: its own click model, and with bfloat16 rows, a
+decoder with a tied token table and a recommender with l2-regularized tables (from
+keras_examples). The rest runs in this process.
 """
 
 import os
@@ -12,6 +14,7 @@ import tensorflow as tf
 
 from hybrid_strategy import wire
 from runs import json_report, on_cluster
+from test_dense_grads import MOVED
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "wire_scenario.py")
@@ -116,3 +119,35 @@ def test_a_wire_dtype_other_than_bfloat16_is_refused_with_what_to_use():
     import hybrid_strategy
     with pytest.raises(ValueError, match=r"wire_dtype='float16'.*\('bfloat16',\)"):
         hybrid_strategy.HybridStrategy(wire_dtype="float16")
+
+
+@pytest.mark.parametrize("example", ["tied_decoder", "l2_recommender"])
+def test_bfloat16_rows_train_example_models_as_float32_within_rounding(report, example):
+    case = report["examples"][example]
+    errors = case["update_errors"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= BFLOAT16_STEP_TOLERANCE, f"{worst}: {errors[worst]:.2e}"
+    # The rows did cross in bfloat16: some table's first update is not float32's.
+    assert max(v for k, v in errors.items() if k.endswith("/embeddings")) > 1e-5
+    float32, bfloat16 = case["losses"]["None"], case["losses"]["bfloat16"]
+    assert len(float32) == len(bfloat16) == 20
+    assert np.mean(bfloat16[-5:]) < 0.95 * bfloat16[0]
+    assert abs(np.mean(bfloat16[-5:]) - np.mean(float32[-5:])) < 0.02 * np.mean(float32[-5:])
+
+
+def test_a_tied_table_moves_to_mirrored_with_bfloat16_rows_too(report):
+    case = report["examples"]["tied_decoder"]
+    for wire_dtype in ("None", "bfloat16"):
+        placement = case["placement"][wire_dtype]
+        assert placement["token_embedding/embeddings"] == ["mirrored", MOVED], wire_dtype
+        position = placement["add_positions/position_embedding/embeddings"]
+        assert position[0] != "mirrored", wire_dtype
+        assert case["gradient_types"][wire_dtype]["token_embedding/embeddings"] == "dense"
+
+
+def test_l2_regularized_tables_stay_on_the_ps_with_bfloat16_rows(report):
+    case = report["examples"]["l2_recommender"]
+    for wire_dtype in ("None", "bfloat16"):
+        for table in ("embedding_0/embeddings", "embedding_1/embeddings"):
+            assert case["placement"][wire_dtype][table][0] != "mirrored", (wire_dtype, table)
+            assert case["gradient_types"][wire_dtype][table] == "sparse", (wire_dtype, table)

@@ -14,6 +14,12 @@ layer used on two inputs, a masked sequence feature, float ids.
 - "convergence": the training loss of 40 Adagrad steps, in float32 and in bfloat16.
 - "multi_step": two epochs of 7 batches with `steps_per_execution=3` (calls of 3, 3
   and 1 steps) against single-device training, and the tensors its calls send.
+- "examples": two models of keras_examples, small, each trained 20 SGD steps in
+  float32 and with bfloat16 rows from the same weights: decoder_lm's decoder, whose
+  token table is its output projection (a dense gradient: mirrored after the first
+  step), and recommender's model with an l2 penalty on every table (computed on the
+  tables' ps). Each reports its first step's update against float32's, its losses,
+  and where its tables ended and why.
 
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/wire_scenario.py
 """
@@ -27,6 +33,7 @@ import tensorflow as tf
 
 import hybrid_strategy
 from benchmarks import step_transfers
+from keras_examples import decoder_lm, language_model, recommender
 
 USERS, ITEMS, TAGS, BUCKETS, TAGS_PER_EXAMPLE = 300, 200, 50, 10, 3
 GLOBAL_BATCH = 32
@@ -150,12 +157,60 @@ def convergence_case():
             for wire_dtype in (None, "bfloat16")}
 
 
+# name -> (the model, built, its loss, its data for `steps` global batches)
+EXAMPLE_STEPS = 20
+EXAMPLES = {
+    "tied_decoder": (
+        lambda: decoder_lm.build_model(vocab=256, embedding_dim=16, seq_len=8, num_heads=2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        lambda steps: language_model.make_arrays(steps * GLOBAL_BATCH, vocab=256, seq_len=8)),
+    "l2_recommender": (
+        lambda: recommender.build_model(table_sizes=(300, 100), embedding_dim=8,
+                                        hidden_units=(16,), num_dense=4, l2=1e-3),
+        "binary_crossentropy",
+        lambda steps: recommender.make_arrays(steps * GLOBAL_BATCH, (300, 100), num_dense=4)),
+}
+
+
+def example_case(build, loss, make_arrays):
+    """EXAMPLE_STEPS SGD steps in float32 and with bfloat16 rows, from the same weights."""
+    x, y = make_arrays(EXAMPLE_STEPS)
+    keras.utils.set_random_seed(1)
+    weights = build().get_weights()
+    out = {"losses": {}, "placement": {}, "gradient_types": {}}
+    first_updates = {}
+    for wire_dtype in (None, "bfloat16"):
+        strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
+                                                  wire_dtype=wire_dtype)
+        with strategy.scope():
+            model = build()
+            model.set_weights(weights)
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        losses = out["losses"][str(wire_dtype)] = []
+
+        def batch_end(batch, logs, model=model, wire_dtype=wire_dtype, losses=losses):
+            losses.append(float(logs["loss"]))
+            if batch == 0:
+                first_updates[wire_dtype] = [a - w for a, w in zip(model.get_weights(),
+                                                                   weights)]
+
+        model.fit(dataset(x, y), verbose=0, shuffle=False, callbacks=[
+            keras.callbacks.LambdaCallback(on_train_batch_end=batch_end)])
+        out["placement"][str(wire_dtype)] = {r.path: [str(r.placement), r.reason]
+                                             for r in strategy.placement}
+        out["gradient_types"][str(wire_dtype)] = strategy.gradient_types
+    out["update_errors"] = relative_errors(model, first_updates["bfloat16"],
+                                           first_updates[None])
+    return out
+
+
 def main():
     # The strategy connects this process to the cluster: before any variable.
     hybrid_strategy.HybridStrategy()
     report = {"exact": exact_case(), "bfloat16": bfloat16_case(),
               "convergence": convergence_case(),
-              "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3)}
+              "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3),
+              "examples": {name: example_case(*spec) for name, spec in EXAMPLES.items()}}
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 
