@@ -12,7 +12,10 @@ devices each, 1 ps and a tf.data service of 2 workers; prints its report as JSON
   on the ps) and a dense kernel's (per worker, then all-reduced across workers);
 - counting: every example used once in an epoch with a final partial batch;
 - the tf.data service: a dataset preprocessed by the service's workers, 3 epochs, each
-  element used once per epoch (counted), and the steps each epoch took.
+  element used once per epoch (counted), and the steps each epoch took;
+- asynchronous (Keras 3): tests/async_scenario.py's cases for 2 workers, trained
+  asynchronously (`architecture="ps", asynchronous=True`), each worker's step split over
+  its 2 replicas (tests/test_asynchronous.py reads them).
 
 It prints the report, then kills the dispatcher and trains on: the chief must then exit
 with code 75 (the strategy's health monitor probes the dispatcher), which the launcher
@@ -28,6 +31,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
+import async_scenario
 import scenario
 
 keras = tf.keras
@@ -149,6 +153,9 @@ def main():
     report["count"] = scenario.counting_case(make_strategy, "dataset")
     report["aggregation"] = aggregation_case(make_strategy)
     report["service"] = service_case(make_strategy)
+    if not async_scenario.LEGACY:
+        report["asynchronous"] = async_scenario.report(
+            functools.partial(make_strategy, architecture="ps", asynchronous=True), workers=2)
     print(json.dumps(report), flush=True)
     lose_the_dispatcher(make_strategy)
 

@@ -3,7 +3,9 @@
 tests/async_scenario.py runs once per shape (two at a time): as the chief of a real
 2-worker + 1-ps cluster, and on this machine alone with two CPU replicas (one worker,
 whose steps run one after the other, so that it must equal single-device training),
-under Keras 3 and, on one machine, tf_keras.
+under Keras 3 and, on one machine, tf_keras. Its cases for 2 workers also run, under
+Keras 3, on tests/test_replicas.py's cluster of 2 workers with 2 replicas each, as part
+of that run.
 """
 
 import functools
@@ -16,6 +18,7 @@ import pytest
 import hybrid_strategy
 from hybrid_strategy import placement
 from runs import FAULTY_CHIEF, Runs, environ, json_report, on_cluster
+import test_replicas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -46,8 +49,10 @@ RUNS = Runs({
         "async scenario on one machine under tf_keras", flavour="tf_keras"),
     "cluster": functools.partial(json_report, on_cluster(SCENARIO, workers=2, ps=1),
                                  "async scenario on 2 workers"),
+    "keras3_replicas": test_replicas.RUNS.job("keras3"),
     "killed_worker": killed_worker_run,
 })
+CLUSTERS = ["cluster", "keras3_replicas"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +63,12 @@ def cluster(request):
 @pytest.fixture(scope="module")
 def killed_worker(request):
     return RUNS.result("killed_worker", request)
+
+
+@pytest.fixture(scope="module")
+def keras3_replicas(request):
+    """2 workers of 2 replicas each (and 1 ps)."""
+    return RUNS.result("keras3_replicas", request)[0]["asynchronous"]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +86,12 @@ def one_machine(request):
     return request.getfixturevalue(request.param)
 
 
-@pytest.fixture(params=["cluster", "keras3_one_machine", "tf_keras_one_machine"])
+@pytest.fixture(params=CLUSTERS)
+def on_cluster_report(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=CLUSTERS + ["keras3_one_machine", "tf_keras_one_machine"])
 def report(request):
     return request.getfixturevalue(request.param)
 
@@ -115,13 +131,13 @@ def test_every_step_applied_once_whatever_the_order(report, case):
     assert trained == pytest.approx(reference, rel=TOLERANCE)
 
 
-def test_variables_live_on_the_ps(cluster):
-    for path, devices in cluster["linear"]["devices"].items():
+def test_variables_live_on_the_ps(on_cluster_report):
+    for path, devices in on_cluster_report["linear"]["devices"].items():
         assert devices == ["/job:ps/replica:0/task:0/device:CPU:0"], path
     # What synchronous training mirrors is shared on the ps too.
-    for path, device in cluster["convergence"]["optimizer_devices"].items():
+    for path, device in on_cluster_report["convergence"]["optimizer_devices"].items():
         assert device == "/job:ps/replica:0/task:0/device:CPU:0", path
-    assert "/job:worker" not in cluster["convergence"]["placement"]
+    assert "/job:worker" not in on_cluster_report["convergence"]["placement"]
 
 
 def test_a_click_model_converges(report):

@@ -3,8 +3,9 @@
 One launcher run per Keras flavour (in the background, two programs at a time): 2
 workers with 2 CPU devices each (`--devices-per-worker 2`), 1 ps and a tf.data service
 dispatcher with 2 workers (`--data-service-workers 2`), tests/replicas_scenario.py as
-the chief, which ends by killing the dispatcher. The option checks run without a
-cluster.
+the chief, which ends by killing the dispatcher. The Keras 3 run also trains
+asynchronously, for tests/test_asynchronous.py (which starts it). The option checks run
+without a cluster.
 """
 
 import functools
