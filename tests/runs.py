@@ -88,6 +88,11 @@ def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=RO
 _POOL = futures.ThreadPoolExecutor(2, thread_name_prefix="runs")
 
 
+def drop_queued():
+    """Drops the programs not started yet (the session ends early: -x, an interrupt)."""
+    _POOL.shutdown(wait=False, cancel_futures=True)
+
+
 class Job:
     """A function that runs one chief program (or a few, one after the other) and returns
     what the tests read, run once in the background."""
