@@ -67,6 +67,7 @@ from hybrid_strategy import multi_step
 from hybrid_strategy import penalties
 from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import service_input
+from hybrid_strategy import side_effects
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
 from hybrid_strategy import wire
@@ -305,6 +306,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.ps_aggregated = set()
         self.step_batch_sizes = None
         _install_keras_hooks()
+        side_effects.order_per_task()
 
     @property
     def _devices(self):
