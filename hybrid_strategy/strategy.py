@@ -62,6 +62,7 @@ from hybrid_strategy import hierarchical_allreduce
 from hybrid_strategy import increments
 from hybrid_strategy import keras_input
 from hybrid_strategy import liveness
+from hybrid_strategy import mirrored_reads
 from hybrid_strategy import mirroring
 from hybrid_strategy import multi_step
 from hybrid_strategy import penalties
@@ -569,6 +570,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             return self._update_table(var, fn, args, kwargs, group)
         if not isinstance(var, values_lib.DistributedVariable):
             return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
+        mirrored_reads.forget(var)
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):

@@ -55,6 +55,15 @@ def test_no_batch_step_counter_or_id_check_crosses_between_workers(report):
     assert not crossing, between_workers
 
 
+def test_each_ps_task_receives_the_optimizers_variables_once_per_step(report):
+    # Adam reads the learning rate and the step count (mirrored, on the workers) for
+    # each of the 4 tables (6 shards, 3 on each ps): each ps task gets each once.
+    names = report["reads"]["transfers"]["names"]
+    for ps in ("ps0", "ps1"):
+        reads = [name for name in names["worker0->" + ps] if "ReadVariableOp" in name]
+        assert len(reads) == 2, names["worker0->" + ps]
+
+
 def test_the_step_counter_has_every_step_in_every_copy(report):
     assert report["exact"]["iterations"] == 6
     assert report["exact"]["iteration_copies"] == [6, 6]
