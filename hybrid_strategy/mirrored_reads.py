@@ -70,7 +70,8 @@ def forget(variable):
 
 
 def _install():
-    original = values_lib.MirroredVariable._dense_var_to_tensor  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    original = values_lib.MirroredVariable._dense_var_to_tensor
     if getattr(original, "_reads_once", False):
         return
 
@@ -83,5 +84,5 @@ def _install():
             reads[key] = original(self, dtype=dtype, name=name, as_ref=as_ref)
         return reads[key]
 
-    dense_var_to_tensor._reads_once = True  # pylint: disable=protected-access
-    values_lib.MirroredVariable._dense_var_to_tensor = dense_var_to_tensor  # pylint: disable=protected-access
+    dense_var_to_tensor._reads_once = True
+    values_lib.MirroredVariable._dense_var_to_tensor = dense_var_to_tensor

@@ -60,7 +60,10 @@ def order_per_task():
 
 
 def _side_effects_of_task(op, reads, writes):
-    if (reads or writes or not op.device or op._control_flow_context is not None  # pylint: disable=protected-access
+    # What automatic control dependencies chain in trace order: stateful ops that touch
+    # no resource, outside v1 control flow.
+    # pylint: disable=protected-access
+    if (reads or writes or not op.device or op._control_flow_context is not None
             or not auto_control_deps.op_is_stateful(op)):
         return False
     spec = tf.DeviceSpec.from_string(op.device)
