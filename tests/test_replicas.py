@@ -75,10 +75,13 @@ def test_a_workers_replicas_are_summed_on_that_worker_first(report):
     assert {inputs for _, inputs in local} == {2}
     assert ops["ps_aggregation"] and all(
         device.startswith("/job:ps/") and inputs == 2 for device, inputs in ops["ps_aggregation"])
-    # A dense gradient: added up on each worker's first device, then all-reduced
-    # between those two only.
+    # A dense gradient: added up on each worker's first device, then summed between
+    # those two only (a small one by recursive doubling: each adds the other's sum).
     assert sorted(ops["local_sum"]) == [[host, 2] for host in hosts]
-    assert sorted(device for device, _ in ops["CollectiveReduceV2"]) == hosts
+    assert sorted(device for device, _ in ops["doubling"]) == hosts
+    assert "CollectiveReduceV2" not in ops
+    # A gradient over the threshold: a ring of the two workers' first devices.
+    assert aggregation["large"] == {"CollectiveReduceV2": 2}
 
 
 def test_data_service_uses_every_element_once_per_epoch(report):
@@ -125,12 +128,15 @@ def test_workers_with_different_numbers_of_replicas_are_refused():
         strategy_lib._replica_devices(2, same[:3])
 
 
-def test_the_all_reduce_sums_per_worker_first_only_for_several_cpu_replicas():
+def test_the_all_reduce_is_ours_for_several_cpu_replicas_or_a_power_of_two_of_workers():
     worker = "/job:worker/replica:0/task:{}/device:{}"
     two_by_two = [worker.format(t, f"CPU:{d}") for t in (0, 1) for d in (0, 1)]
     assert hierarchical_allreduce.applies(two_by_two, "RING")
     assert hierarchical_allreduce.applies(two_by_two[:2], "AUTO")  # one worker: no ring
-    assert not hierarchical_allreduce.applies(two_by_two[::2], "RING")  # one replica each
+    # One replica each: 2 workers may sum by recursive doubling, 3 keep TensorFlow's ring.
+    assert hierarchical_allreduce.applies(two_by_two[::2], "RING")
+    three = [worker.format(t, "CPU:0") for t in range(3)]
+    assert not hierarchical_allreduce.applies(three, "RING")
     assert not hierarchical_allreduce.applies(two_by_two, "NCCL")
     gpus = [d.replace("CPU", "GPU") for d in two_by_two]
     assert not hierarchical_allreduce.applies(gpus, "AUTO")
