@@ -10,13 +10,14 @@ ring of W devices (2 (W - 1) steps), and each worker passes the result to its re
 With one worker no collective runs at all. Every replica gets the same tensor, so
 mirrored variables stay identical.
 
-Across a power-of-two number W of workers, a small gradient (at most `DOUBLING_BYTES`, a
-click-through model's dense layers) is summed by recursive doubling instead: in round k
-each worker adds the sum of its partner at distance 2^k, log2 W messages per worker (4
-workers: 2, where the ring takes 6), each with the whole gradient rather than a W-th of
-it. Per message, a step pays a call between processes at both ends and a network round
-trip; per byte, only the wire: below the threshold the fewer messages win. Partners add
-in the same order, so every worker holds the same sum.
+Across a power-of-two number W of workers, a small gradient (at most `SMALL_BYTES`, a
+click-through model's dense layers) is summed in the step's graph instead of by collective
+ops: by recursive halving then doubling (Rabenseifner), 2 log2 W messages per worker
+(4 workers: 4, where the ring takes 6) and the ring's bytes; 2 workers exchange their
+whole gradients once (1 message, the ring's bytes). Each part of the sum is added on one
+worker and copied to the others, so every worker holds the same sum. Per message, a step
+pays calls between processes at both ends and a network round trip, and collective ops
+their own executor besides: below the threshold the fewer messages win.
 
 GPU replicas keep TensorFlow's choice (NCCL organises its own rings within and across
 machines); so does a cluster of workers with one replica each whose number is not a power
@@ -41,14 +42,13 @@ from tensorflow.python.distribute import cross_device_utils
 
 from hybrid_strategy import communication
 
-# Up to this many bytes per replica, workers sum by recursive doubling rather than a ring:
-# at 4 workers it sends a third more bytes in a third of the messages (2 instead of 6).
-DOUBLING_BYTES = 512 * 1024
+# Up to this many bytes per replica, workers sum in the step's graph, not by collective ops.
+SMALL_BYTES = 512 * 1024
 
 
 def applies(devices, implementation):
-    """Whether the dense all-reduce over `devices` is this one (per worker first, or
-    by recursive doubling across a power-of-two number of workers).
+    """Whether the dense all-reduce over `devices` is this one (per worker first, or in
+    the step's graph across a power-of-two number of workers).
 
     Args:
         devices: Every replica's device.
@@ -125,8 +125,8 @@ class HierarchicalAllReduce:
             with tf.device(self._devices[indices[0]]), tf.name_scope("local_sum"):
                 parts = [flat[i] for i in indices]
                 sums.append(tf.add_n(parts) if len(parts) > 1 else parts[0])
-        if _power_of_two(len(sums)) and _bytes(pack) <= DOUBLING_BYTES:
-            sums = _recursive_doubling(sums, self._leaders)
+        if _power_of_two(len(sums)) and _bytes(pack) <= SMALL_BYTES:
+            sums = _in_graph_sum(sums, self._leaders)
         elif self.launchers:
             sums = [launcher.all_reduce(total, None, options)
                     for launcher, total in zip(self.launchers, sums)]
@@ -144,17 +144,57 @@ class HierarchicalAllReduce:
                 for k in range(len(pack))]
 
 
-def _recursive_doubling(values, devices):
-    """Each of `devices` (a power-of-two number) ends with the sum of every one of `values`."""
-    distance = 1
-    while distance < len(values):
-        summed = []
+def _in_graph_sum(values, devices):
+    """Each of `devices` (a power-of-two number) ends with the sum of `values` (one 1-D
+    tensor of static length on each): 2 devices swap theirs; more halve and double."""
+    if len(devices) == 2:
+        with tf.device(devices[0]), tf.name_scope("exchange"):
+            first = values[0] + values[1]
+        with tf.device(devices[1]), tf.name_scope("exchange"):
+            second = values[0] + values[1]  # the same order: the same sum
+        return [first, second]
+    count, length = len(devices), values[0].shape[0]
+    chunk = -(-length // count)
+    parts = []
+    for value, device in zip(values, devices):
+        with tf.device(device):
+            parts.append(tf.pad(value, [[0, chunk * count - length]]))
+    # Reduce-scatter: in each round a device keeps half of its range of chunks, adding its
+    # partner's part of that half (sliced where it lies: only the half crosses).
+    ranges = [(0, count)] * count
+    distance = count // 2
+    while distance:
+        kept_parts, kept_ranges = [], []
         for i, device in enumerate(devices):
-            low, high = sorted((i, i ^ distance))
+            partner = i ^ distance
+            start, end = ranges[i]
+            middle = (start + end) // 2
+            low, high = (start, middle) if i < partner else (middle, end)
+            begin, stop = (low - start) * chunk, (high - start) * chunk
+            with tf.device(devices[partner]), tf.name_scope("halving"):
+                theirs = parts[partner][begin:stop]
+            with tf.device(device), tf.name_scope("halving"):
+                kept_parts.append(parts[i][begin:stop] + theirs)
+            kept_ranges.append((low, high))
+        parts, ranges, distance = kept_parts, kept_ranges, distance // 2
+    # All-gather: partners join their ranges, doubling them, until every device has all.
+    distance = 1
+    while distance < count:
+        joined = []
+        for i, device in enumerate(devices):
+            partner = i ^ distance
+            ordered = sorted([(ranges[i], parts[i]), (ranges[partner], parts[partner])],
+                             key=lambda item: item[0])
             with tf.device(device), tf.name_scope("doubling"):
-                summed.append(values[low] + values[high])  # the same order on both partners
-        values, distance = summed, distance * 2
-    return values
+                joined.append(tf.concat([part for _, part in ordered], 0))
+        ranges = [(min(ranges[i][0], ranges[i ^ distance][0]),
+                   max(ranges[i][1], ranges[i ^ distance][1])) for i in range(count)]
+        parts, distance = joined, distance * 2
+    summed = []
+    for part, device in zip(parts, devices):
+        with tf.device(device):
+            summed.append(part[:length])
+    return summed
 
 
 def _power_of_two(n):

@@ -65,7 +65,7 @@ def aggregation_case(make_strategy):
     ops = {}
     for op in summed.get_concrete_function(batch).graph.get_operations():
         for scope, op_type in (("local_aggregation", "ConcatV2"), ("ps_aggregation", "ConcatV2"),
-                               ("local_sum", "AddN"), ("doubling", "AddV2"),
+                               ("local_sum", "AddN"), ("exchange", "AddV2"),
                                ("", "CollectiveReduceV2")):
             if scope in op.name and op.type == op_type:
                 ops.setdefault(scope or op_type, []).append(
@@ -73,7 +73,7 @@ def aggregation_case(make_strategy):
 
     @tf.function
     def summed_large():
-        elements = hierarchical_allreduce.DOUBLING_BYTES // 4 + 1  # float32
+        elements = hierarchical_allreduce.SMALL_BYTES // 4 + 1  # float32
         per_replica = strategy.run(lambda: tf.zeros([elements]))
         return strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
                                                  [(per_replica, kernel)])
