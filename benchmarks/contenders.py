@@ -92,6 +92,9 @@ class ModelSpec:
 
 
 LM_SEQ_LEN = 20
+# keras_examples/criteo.py's DEFAULT_TABLE_SIZES (importing it here would import Keras
+# before a contender has chosen Keras 3 or tf_keras).
+CRITEO_TABLE_SIZES = (100_000,) * 2 + (20_000,) * 4 + (5_000,) * 8 + (500,) * 12
 MODELS = {
     "recommender": ModelSpec("keras_examples.recommender", "examples", 512),
     "lm": ModelSpec("keras_examples.language_model", "tokens", 128,
@@ -106,6 +109,10 @@ MODELS = {
                          data={"seq_len": LM_SEQ_LEN}),
     "recommender_l2": ModelSpec("keras_examples.recommender", "examples", 512,
                                 build={"l2": 1e-5}),
+    # Criteo's shape: 26 tables (a few large, many small) and 13 dense features.
+    "criteo": ModelSpec("keras_examples.recommender", "examples", 512,
+                        build={"table_sizes": CRITEO_TABLE_SIZES, "num_dense": 13},
+                        data={"table_sizes": CRITEO_TABLE_SIZES, "num_dense": 13}),
 }
 
 

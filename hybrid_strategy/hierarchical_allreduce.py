@@ -1,4 +1,4 @@
-"""Dense all-reduce for workers with several CPU replicas: sum per worker, ring across workers.
+"""Dense all-reduce on CPU workers: sum per worker, then across workers in few messages.
 
 TensorFlow's collective all-reduce puts every replica in one ring: with W workers of D
 replicas each, a RING all-reduce takes 2 (W D - 1) steps one after the other, each a
@@ -10,8 +10,18 @@ ring of W devices (2 (W - 1) steps), and each worker passes the result to its re
 With one worker no collective runs at all. Every replica gets the same tensor, so
 mirrored variables stay identical.
 
+Across a power-of-two number W of workers, a small gradient (at most `SMALL_BYTES`, a
+click-through model's dense layers) is summed in the step's graph instead of by collective
+ops: by recursive halving then doubling (Rabenseifner), 2 log2 W messages per worker
+(4 workers: 4, where the ring takes 6) and the ring's bytes; 2 workers exchange their
+whole gradients once (1 message, the ring's bytes). Each part of the sum is added on one
+worker and copied to the others, so every worker holds the same sum. Per message, a step
+pays calls between processes at both ends and a network round trip, and collective ops
+their own executor besides: below the threshold the fewer messages win.
+
 GPU replicas keep TensorFlow's choice (NCCL organises its own rings within and across
-machines); so does a cluster of workers with one replica each.
+machines); so does a cluster of workers with one replica each whose number is not a power
+of two.
 
 ```python
 from hybrid_strategy import hierarchical_allreduce
@@ -32,9 +42,13 @@ from tensorflow.python.distribute import cross_device_utils
 
 from hybrid_strategy import communication
 
+# Up to this many bytes per replica, workers sum in the step's graph, not by collective ops.
+SMALL_BYTES = 512 * 1024
+
 
 def applies(devices, implementation):
-    """Whether the dense all-reduce over `devices` sums per worker first.
+    """Whether the dense all-reduce over `devices` is this one (per worker first, or in
+    the step's graph across a power-of-two number of workers).
 
     Args:
         devices: Every replica's device.
@@ -44,7 +58,7 @@ def applies(devices, implementation):
     if implementation == "NCCL" or any("/device:GPU:" in d for d in devices):
         return False
     hosts = collections.Counter(communication.host_of(d) for d in devices)
-    return max(hosts.values()) > 1
+    return max(hosts.values()) > 1 or _power_of_two(len(hosts))
 
 
 class HierarchicalAllReduce:
@@ -62,6 +76,7 @@ class HierarchicalAllReduce:
         for index, device in enumerate(self._devices):
             self._hosts.setdefault(communication.host_of(device), []).append(index)
         leaders = [self._devices[indices[0]] for indices in self._hosts.values()]
+        self._leaders = leaders
         self._options = options
         self.launchers = []
         if len(leaders) > 1:
@@ -110,7 +125,9 @@ class HierarchicalAllReduce:
             with tf.device(self._devices[indices[0]]), tf.name_scope("local_sum"):
                 parts = [flat[i] for i in indices]
                 sums.append(tf.add_n(parts) if len(parts) > 1 else parts[0])
-        if self.launchers:
+        if _power_of_two(len(sums)) and _bytes(pack) <= SMALL_BYTES:
+            sums = _in_graph_sum(sums, self._leaders)
+        elif self.launchers:
             sums = [launcher.all_reduce(total, None, options)
                     for launcher, total in zip(self.launchers, sums)]
         per_replica = [None] * len(self._devices)
@@ -125,6 +142,70 @@ class HierarchicalAllReduce:
                                       in zip(parts, shapes)]
         return [[per_replica[i][k] for i in range(len(self._devices))]
                 for k in range(len(pack))]
+
+
+def _in_graph_sum(values, devices):
+    """Each of `devices` (a power-of-two number) ends with the sum of `values` (one 1-D
+    tensor of static length on each): 2 devices swap theirs; more halve and double."""
+    if len(devices) == 2:
+        with tf.device(devices[0]), tf.name_scope("exchange"):
+            first = values[0] + values[1]
+        with tf.device(devices[1]), tf.name_scope("exchange"):
+            second = values[0] + values[1]  # the same order: the same sum
+        return [first, second]
+    count, length = len(devices), values[0].shape[0]
+    chunk = -(-length // count)
+    parts = []
+    for value, device in zip(values, devices):
+        with tf.device(device):
+            parts.append(tf.pad(value, [[0, chunk * count - length]]))
+    # Reduce-scatter: in each round a device keeps half of its range of chunks, adding its
+    # partner's part of that half (sliced where it lies: only the half crosses).
+    ranges = [(0, count)] * count
+    distance = count // 2
+    while distance:
+        kept_parts, kept_ranges = [], []
+        for i, device in enumerate(devices):
+            partner = i ^ distance
+            start, end = ranges[i]
+            middle = (start + end) // 2
+            low, high = (start, middle) if i < partner else (middle, end)
+            begin, stop = (low - start) * chunk, (high - start) * chunk
+            with tf.device(devices[partner]), tf.name_scope("halving"):
+                theirs = parts[partner][begin:stop]
+            with tf.device(device), tf.name_scope("halving"):
+                kept_parts.append(parts[i][begin:stop] + theirs)
+            kept_ranges.append((low, high))
+        parts, ranges, distance = kept_parts, kept_ranges, distance // 2
+    # All-gather: partners join their ranges, doubling them, until every device has all.
+    distance = 1
+    while distance < count:
+        joined = []
+        for i, device in enumerate(devices):
+            partner = i ^ distance
+            ordered = sorted([(ranges[i], parts[i]), (ranges[partner], parts[partner])],
+                             key=lambda item: item[0])
+            with tf.device(device), tf.name_scope("doubling"):
+                joined.append(tf.concat([part for _, part in ordered], 0))
+        ranges = [(min(ranges[i][0], ranges[i ^ distance][0]),
+                   max(ranges[i][1], ranges[i ^ distance][1])) for i in range(count)]
+        parts, distance = joined, distance * 2
+    summed = []
+    for part, device in zip(parts, devices):
+        with tf.device(device):
+            summed.append(part[:length])
+    return summed
+
+
+def _power_of_two(n):
+    return n > 1 and n & (n - 1) == 0
+
+
+def _bytes(pack):
+    """Bytes of one replica's part of `pack` (infinite if a shape is not static)."""
+    if not all(values[0].shape.is_fully_defined() for values in pack):
+        return float("inf")
+    return sum(values[0].shape.num_elements() * values[0].dtype.size for values in pack)
 
 
 def _shape(tensor):

@@ -49,6 +49,7 @@ import weakref
 
 import tensorflow as tf
 
+from hybrid_strategy import mirrored_reads
 from hybrid_strategy import table as table_lib
 
 MODES = ("lazy", "exact")
@@ -195,7 +196,7 @@ def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy",
     tables = [table] + _slots_of(optimizer, table)
     views = []
     for selection, grad in _selections(table, grads, mode, kind):
-        views += _run_on(selection, tables, optimizer,
+        views += _run_on(selection, tables, optimizer, fn,
                          decays + [lambda grad=grad: fn(table, grad, *args, **(kwargs or {}))])
     return _flushed(views, concurrent)
 
@@ -216,7 +217,7 @@ def decay_table(optimizer, fn, table, mode="lazy", concurrent=False):
     tables = [table] + _slots_of(optimizer, table)
     views = []
     for k in range(table.num_shards):
-        views += _run_on(_Selection(table, [k]), tables, optimizer, [lambda: fn(table)])
+        views += _run_on(_Selection(table, [k]), tables, optimizer, fn, [lambda: fn(table)])
     return _flushed(views, concurrent)
 
 
@@ -437,9 +438,13 @@ def _selections(table, grads, mode, kind):
                  tf.ensure_shape(table_lib.join_dense([g for _, g in pairs]), table.shape))]
 
 
-def _run_on(selection, tables, optimizer, steps):
-    """Runs `steps` with `tables` (a table and its slots) standing in for `selection`'s rows."""
-    with tf.device(selection.device):
+def _run_on(selection, tables, optimizer, update, steps):
+    """Runs `steps` with `tables` (a table and its slots) standing in for `selection`'s rows.
+
+    `update` is Keras' closure for the step's update: the mirrored variables the steps
+    read are read once per ps task for every table it updates.
+    """
+    with tf.device(selection.device), mirrored_reads.reading_once(update, selection.device):
         views = [RowsView(t, selection.shards, selection.indices) for t in tables]
         for view in views:
             view.table.rows_view = view

@@ -62,11 +62,13 @@ from hybrid_strategy import hierarchical_allreduce
 from hybrid_strategy import increments
 from hybrid_strategy import keras_input
 from hybrid_strategy import liveness
+from hybrid_strategy import mirrored_reads
 from hybrid_strategy import mirroring
 from hybrid_strategy import multi_step
 from hybrid_strategy import penalties
 from hybrid_strategy import placement as placement_lib
 from hybrid_strategy import service_input
+from hybrid_strategy import side_effects
 from hybrid_strategy import sparse_optimizers
 from hybrid_strategy import table as table_lib
 from hybrid_strategy import wire
@@ -305,6 +307,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.ps_aggregated = set()
         self.step_batch_sizes = None
         _install_keras_hooks()
+        side_effects.order_per_task()
 
     @property
     def _devices(self):
@@ -567,6 +570,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             return self._update_table(var, fn, args, kwargs, group)
         if not isinstance(var, values_lib.DistributedVariable):
             return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
+        mirrored_reads.forget(var)
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):

@@ -582,7 +582,7 @@ def checked_ids(ids, num_rows, what):
     message = (f"embedding id out of range for {what} ({num_rows} rows): ids must be "
                f"in [0, {num_rows})")
     # One assertion for both bounds: each is a stateful op, which tf.function orders
-    # after every other one traced before it, the other replicas' included.
+    # after every other one traced before it on the same task (side_effects.py).
     in_range = tf.logical_and(ids >= 0, ids < tf.cast(num_rows, ids.dtype))
     checks = [tf.debugging.Assert(tf.reduce_all(in_range), [message, "ids:", ids])]
     if ids.dtype.is_floating:

@@ -22,6 +22,7 @@ with code 75 (the strategy's health monitor probes the dispatcher), which the la
 passes on.
 """
 
+import collections
 import functools
 import json
 import os
@@ -33,6 +34,7 @@ import tensorflow as tf
 
 import async_scenario
 import scenario
+from hybrid_strategy import hierarchical_allreduce
 
 keras = tf.keras
 EQUIVALENCE = ("adagrad", "adam_lazy")
@@ -67,11 +69,24 @@ def aggregation_case(make_strategy):
     ops = {}
     for op in summed.get_concrete_function(batch).graph.get_operations():
         for scope, op_type in (("local_aggregation", "ConcatV2"), ("ps_aggregation", "ConcatV2"),
-                               ("local_sum", "AddN"), ("", "CollectiveReduceV2")):
+                               ("local_sum", "AddN"), ("exchange", "AddV2"),
+                               ("", "CollectiveReduceV2")):
             if scope in op.name and op.type == op_type:
                 ops.setdefault(scope or op_type, []).append(
                     [op.device, len(op.inputs) - (op_type == "ConcatV2")])  # less the axis
-    return {"replicas": list(strategy.extended.worker_devices), "ops": ops}
+
+    @tf.function
+    def summed_large():
+        elements = hierarchical_allreduce.SMALL_BYTES // 4 + 1  # float32
+        per_replica = strategy.run(lambda: tf.zeros([elements]))
+        return strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
+                                                 [(per_replica, kernel)])
+
+    large = collections.Counter(op.type for op in
+                                summed_large.get_concrete_function().graph.get_operations()
+                                if op.type == "CollectiveReduceV2" or "doubling" in op.name)
+    return {"replicas": list(strategy.extended.worker_devices), "ops": ops,
+            "large": dict(large)}
 
 
 class SumOfOutputs(keras.losses.Loss):

@@ -314,3 +314,10 @@ def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
                         "--steps-per-execution", "4", "--loopback")
     assert done.returncode == 2
     assert "--steps-per-execution 4: must be at least 1 and divide --steps" in done.stdout
+
+
+def test_the_criteo_benchmark_model_has_criteo_examples_tables():
+    from benchmarks import contenders
+    from keras_examples import criteo
+    assert contenders.CRITEO_TABLE_SIZES == criteo.DEFAULT_TABLE_SIZES
+    assert contenders.MODELS["criteo"].build["num_dense"] == criteo.NUM_DENSE

@@ -88,10 +88,13 @@ def test_a_workers_replicas_are_summed_on_that_worker_first(report):
     assert {inputs for _, inputs in local} == {2}
     assert ops["ps_aggregation"] and all(
         device.startswith("/job:ps/") and inputs == 2 for device, inputs in ops["ps_aggregation"])
-    # A dense gradient: added up on each worker's first device, then all-reduced
-    # between those two only.
+    # A dense gradient: added up on each worker's first device, then summed between
+    # those two only (a small one in the graph: each adds the other's to its own).
     assert sorted(ops["local_sum"]) == [[host, 2] for host in hosts]
-    assert sorted(device for device, _ in ops["CollectiveReduceV2"]) == hosts
+    assert sorted(device for device, _ in ops["exchange"]) == hosts
+    assert "CollectiveReduceV2" not in ops
+    # A gradient over the threshold: a ring of the two workers' first devices.
+    assert aggregation["large"] == {"CollectiveReduceV2": 2}
 
 
 def test_data_service_uses_every_element_once_per_epoch(report):
@@ -138,12 +141,15 @@ def test_workers_with_different_numbers_of_replicas_are_refused():
         strategy_lib._replica_devices(2, same[:3])
 
 
-def test_the_all_reduce_sums_per_worker_first_only_for_several_cpu_replicas():
+def test_the_all_reduce_is_ours_for_several_cpu_replicas_or_a_power_of_two_of_workers():
     worker = "/job:worker/replica:0/task:{}/device:{}"
     two_by_two = [worker.format(t, f"CPU:{d}") for t in (0, 1) for d in (0, 1)]
     assert hierarchical_allreduce.applies(two_by_two, "RING")
     assert hierarchical_allreduce.applies(two_by_two[:2], "AUTO")  # one worker: no ring
-    assert not hierarchical_allreduce.applies(two_by_two[::2], "RING")  # one replica each
+    # One replica each: 2 workers may sum by recursive doubling, 3 keep TensorFlow's ring.
+    assert hierarchical_allreduce.applies(two_by_two[::2], "RING")
+    three = [worker.format(t, "CPU:0") for t in range(3)]
+    assert not hierarchical_allreduce.applies(three, "RING")
     assert not hierarchical_allreduce.applies(two_by_two, "NCCL")
     gpus = [d.replace("CPU", "GPU") for d in two_by_two]
     assert not hierarchical_allreduce.applies(gpus, "AUTO")
@@ -240,3 +246,40 @@ def test_a_service_dataset_without_a_job_name_is_refused_on_several_workers():
             service_input.check_dataset(read(None), num_input_workers=2)
     finally:
         dispatcher._stop()
+
+
+IN_GRAPH_SUM = """
+import json
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
+from hybrid_strategy import hierarchical_allreduce
+errors = []
+for count, length in [(2, 5), (4, 13), (4, 16), (8, 29), (8, 3)]:
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(count)]
+    values = [np.random.default_rng([count, i]).normal(size=length).astype("float32")
+              for i in range(count)]
+
+    @tf.function(autograph=False)
+    def summed():
+        placed = []
+        for value, device in zip(values, devices):
+            with tf.device(device):
+                placed.append(tf.identity(tf.constant(value)))
+        return hierarchical_allreduce._in_graph_sum(placed, devices)
+
+    sums = [s.numpy() for s in summed()]
+    errors.append([float(np.max(np.abs(sums[0] - np.sum(values, axis=0)))),
+                   all((s == sums[0]).all() for s in sums)])
+print(json.dumps(errors))
+"""
+
+
+def test_the_in_graph_sum_gives_every_device_the_same_sum():
+    # 2, 4 and 8 devices, lengths that do not split evenly, one process of 8 CPU devices.
+    out = subprocess.run([sys.executable, "-c", IN_GRAPH_SUM], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=environ())
+    assert out.returncode == 0, out.stderr[-3000:]
+    for error, identical in json.loads(out.stdout.strip().splitlines()[-1]):
+        assert error <= 1e-6 and identical

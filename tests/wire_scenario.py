@@ -12,6 +12,8 @@ layer used on two inputs, a masked sequence feature, float ids.
 - "bfloat16": one SGD step with `wire_dtype="bfloat16"` against the same step in
   float32 (relative error of each weight's update).
 - "convergence": the training loss of 40 Adagrad steps, in float32 and in bfloat16.
+- "reads": the tensors one Adam step sends between tasks (Adam reads the learning
+  rate and the step count for every table it updates).
 - "multi_step": two epochs of 7 batches with `steps_per_execution=3` (calls of 3, 3
   and 1 steps) against single-device training, and the tensors its calls send.
 - "examples": two models of keras_examples, small, each trained 20 SGD steps in
@@ -149,6 +151,13 @@ def bfloat16_case():
     return {"update_errors": relative_errors(model, updates["bfloat16"], updates[None])}
 
 
+def reads_case():
+    x, y = make_data(1, seed=4)
+    with step_transfers.RunMetadata() as metadata:
+        trained(initial_weights(), lambda: keras.optimizers.Adam(0.01), x, y)
+    return {"transfers": step_transfers.count_transfers(metadata.result, names=True)}
+
+
 def convergence_case():
     x, y = make_data(40, seed=3)
     weights = initial_weights()
@@ -208,7 +217,7 @@ def main():
     # The strategy connects this process to the cluster: before any variable.
     hybrid_strategy.HybridStrategy()
     report = {"exact": exact_case(), "bfloat16": bfloat16_case(),
-              "convergence": convergence_case(),
+              "convergence": convergence_case(), "reads": reads_case(),
               "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3),
               "examples": {name: example_case(*spec) for name, spec in EXAMPLES.items()}}
     json.dump(report, sys.stdout)
