@@ -20,7 +20,8 @@ markers and this process's task name. Contenders:
              one such process per worker, TF_CONFIG with worker tasks only; worker 0
              writes the results. Keras 3 `model.fit` fails with MWMS on TF 2.21.
   pss        tf_keras, `tf.distribute.ParameterServerStrategy`, this process the
-             coordinator (chief); workers and ps are plain `tf.distribute.Server`s.
+             coordinator (chief); workers and ps run `python -m hybrid_strategy.server`
+             (a `tf.distribute.Server`), as the other contenders' do.
              Keras 3 has no ParameterServerStrategy support.
 
 The models come from keras_examples/ (`build_model`, `make_dataset`), with their own

@@ -8,7 +8,8 @@ For each contender, in turn, the harness starts a fresh cluster on this machine 
 processes, with the same model, global batch and data (benchmarks/contenders.py says what
 each contender runs):
 
-  hybrid, ps      chief + W workers + P ps; servers `python -m hybrid_strategy.server`
+  hybrid, ps      chief + W workers + P ps; servers `python -m hybrid_strategy.server
+                  --thread-spinning off` (pss's too: the tasks share this machine's cores)
   allreduce       chief + W workers (every variable mirrored: no ps needed)
   mwms            W workers, each training (tf_keras); TF_CONFIG has worker tasks only
   pss             chief (coordinator, tf_keras) + W workers + P ps
@@ -301,7 +302,8 @@ class ContenderRun:
         devices = self.options.devices_per_worker
         for task in self.servers:
             env = _environ({"TF_CONFIG": self._tf_config(addresses, task)})
-            argv = [python, "-m", "hybrid_strategy.server"]
+            # Every task shares this machine's cores, each with its own address.
+            argv = [python, "-m", "hybrid_strategy.server", "--thread-spinning", "off"]
             if task.job == "worker" and devices > 1:
                 argv += ["--cpu-devices", str(devices)]
             self._spawn(task, argv, env)

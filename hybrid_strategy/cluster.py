@@ -92,6 +92,12 @@ class ClusterConfig:
         self._check_has_task(job, index)
         return _device(job, index)
 
+    def shares_host(self, task_type: str, task_index: int) -> bool:
+        """Whether another task's address names this task's host (they share its cores)."""
+        host = split_address(self.address(task_type, task_index))[0]
+        return any(split_address(address)[0] == host for job, index, address in self.tasks()
+                   if (job, index) != (task_type, task_index))
+
     def to_tf_config(self, task_type: str, task_index: int) -> str:
         """TF_CONFIG (JSON text) for the process that runs task `task_type`/`task_index`."""
         self._check_has_task(task_type, task_index)

@@ -15,6 +15,11 @@ Once the chief has connected, the server probes it; when the chief stops answeri
 `--chief-timeout` seconds (default 5), the server starts afresh in the same process (same
 pid, same port): TensorFlow would keep a dead chief's variables for ten minutes, so a
 restarted chief would find the ps tasks holding every table twice.
+
+`--thread-spinning` says whether TensorFlow's idle threads spin while they wait for work
+(TensorFlow's default: less latency, idle cores busy) or sleep at once. By default they
+sleep when another task of the cluster has this task's host (a local cluster): the tasks
+then share its cores, and a synchronous step's waits would burn the CPU the others need.
 """
 import argparse
 import os
@@ -50,6 +55,10 @@ def main(argv=None) -> int:
         "--cpu-devices", type=int, default=1, metavar="N",
         help="CPU devices this worker exposes, each a replica of the training step "
              "(default 1; a worker with GPUs replicates over its GPUs instead)")
+    parser.add_argument(
+        "--thread-spinning", choices=("auto", "on", "off"), default="auto",
+        help="whether TensorFlow's idle threads spin waiting for work (default auto: off "
+             "when another task of TF_CONFIG's cluster has this task's host)")
     options = parser.parse_args(argv)
     if options.chief_timeout < 0:
         parser.error(f"--chief-timeout must be 0 or more, got {options.chief_timeout:g}")
@@ -67,9 +76,18 @@ def main(argv=None) -> int:
     # Installed before the slow TensorFlow import so that an early SIGTERM also exits cleanly.
     stopped = stop_on_signals()
     try:
-        return _serve(config, stopped, options.chief_timeout, options.cpu_devices)
+        return _serve(config, stopped, options.chief_timeout, options.cpu_devices,
+                      thread_spinning(options.thread_spinning, config))
     except Stop:
         return 0
+
+
+def thread_spinning(choice: str, config: cluster_lib.ClusterConfig) -> bool:
+    """Whether this task's idle TensorFlow threads spin: `choice` ("on", "off", or "auto":
+    not when another task of `config` has this task's host)."""
+    if choice == "auto":
+        return not config.shares_host(config.task_type, config.task_index)
+    return choice == "on"
 
 
 def _task_config():
@@ -108,16 +126,18 @@ def stop_on_signals() -> int:
 
 
 def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float,
-           cpu_devices: int) -> int:
+           cpu_devices: int, spinning: bool) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     job, index = config.task_type, config.task_index
+    session_config = tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices})
+    session_config.experimental.disable_thread_spinning = not spinning
     try:
         server = tf.distribute.Server(
             tf.train.ClusterSpec(config.as_cluster_spec_dict()),
             job_name=job, task_index=index, protocol="grpc", start=True,
-            config=tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices}),
+            config=session_config,
         )
     except tf.errors.OpError as e:
         print(f"{_PREFIX} {config.device(job, index)} could not start: {e.message}; is "
@@ -125,8 +145,9 @@ def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float
               file=sys.stderr)
         return EXIT_CANNOT_SERVE
     devices = f" with {cpu_devices} CPU devices" if cpu_devices > 1 else ""
+    idle = "" if spinning else "; idle threads sleep (--thread-spinning)"
     print(f"{_PREFIX} {config.device(job, index)} serving on {config.address(job, index)}"
-          f"{devices}", file=sys.stderr, flush=True)
+          f"{devices}{idle}", file=sys.stderr, flush=True)
     # The server serves from its own threads while `server` keeps it referenced (deleting
     # it would ask TF to stop it). Server.join() would block in C++ where no Python signal
     # handler runs, so wait for the stop signal instead.

@@ -125,6 +125,14 @@ def test_ipv6_address_is_accepted():
     assert config.address("worker", 0) == "[::1]:2222"
 
 
+def test_shares_host_tells_tasks_on_one_machine_from_tasks_on_their_own():
+    config = cluster.ClusterConfig({"chief": ["10.0.0.1:2222"],
+                                    "worker": ["10.0.0.2:2222", "10.0.0.2:2223"],
+                                    "ps": ["[::1]:2222"]})
+    assert config.shares_host("worker", 0) and config.shares_host("worker", 1)
+    assert not config.shares_host("chief", 0) and not config.shares_host("ps", 0)
+
+
 def test_from_environment():
     assert cluster.from_environment({}) is None
     assert cluster.from_environment({"TF_CONFIG": "  "}) is None

@@ -274,3 +274,13 @@ def test_server_main_rejects_a_bad_task(tf_config, message, monkeypatch, capsys)
     monkeypatch.setenv("TF_CONFIG", tf_config)
     assert server.main([]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("choice, worker_host, spins", [
+    ("auto", "127.0.0.1", False), ("auto", "10.0.0.2", True),
+    ("on", "127.0.0.1", True), ("off", "10.0.0.2", False)])
+def test_idle_threads_sleep_where_tasks_share_a_host_unless_told(choice, worker_host, spins):
+    config = cluster.ClusterConfig({"chief": ["127.0.0.1:2220"],
+                                    "worker": [f"{worker_host}:2221"],
+                                    "ps": ["127.0.0.1:2222"]}, "worker", 0)
+    assert server.thread_spinning(choice, config) is spins
