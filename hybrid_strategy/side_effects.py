@@ -9,6 +9,12 @@ of a sampled softmax). Replicas are independent programs: after `order_per_task(
 such ops are ordered among those placed on the same task only. Every one of them still
 runs before the function returns.
 
+The function's outputs, too, waited for every stateful op of every task: automatic
+control dependencies give them one control input that depends on all of those, and each
+task sent a tensor to the calling process for it at every step. A function that spans
+tasks returns only once every task has run its part, so after `order_per_task()` the
+outputs wait for the stateful ops of the calling process alone.
+
 ```python
 import tensorflow as tf
 from hybrid_strategy import side_effects
@@ -32,6 +38,10 @@ import tensorflow as tf
 # TF-private: automatic control dependencies take resolvers that name the resources an
 # op touches; the stand-in resource of a task chains that task's side effects.
 from tensorflow.python.framework import auto_control_deps
+# TF-private: the transformations tf.function applies to a traced graph before it
+# becomes a function, and the task of this process (its context's address space).
+from tensorflow.python.eager import context
+from tensorflow.python.eager.polymorphic_function import transform
 
 _lock = threading.Lock()
 _installed = False
@@ -56,7 +66,26 @@ def order_per_task():
     with _lock:
         if not _installed:
             auto_control_deps.register_acd_resource_resolver(_side_effects_of_task)
+            transform.FUNC_GRAPH_TRANSFORMS.append(_outputs_wait_for_this_task_only)
             _installed = True
+
+
+def _outputs_wait_for_this_task_only(func_graph):
+    """Drops the control inputs from other tasks of the no-op the outputs wait on."""
+    # pylint: disable=protected-access
+    here = _task(tf.DeviceSpec.from_string(context.context().host_address_space()))
+    waits = {control for output in func_graph.outputs for control in output.op.control_inputs
+             if control.type == "NoOp" and control.graph is func_graph}
+    for wait in waits:
+        kept = [op for op in wait.control_inputs
+                if not op.device or _task(tf.DeviceSpec.from_string(op.device)) in (None, here)]
+        if len(kept) < len(wait.control_inputs):
+            wait._remove_all_control_inputs()
+            wait._add_control_inputs(kept)
+
+
+def _task(spec):
+    return None if spec.job is None else (spec.job, spec.replica or 0, spec.task or 0)
 
 
 def _side_effects_of_task(op, reads, writes):
@@ -66,10 +95,9 @@ def _side_effects_of_task(op, reads, writes):
     if (reads or writes or not op.device or op._control_flow_context is not None
             or not auto_control_deps.op_is_stateful(op)):
         return False
-    spec = tf.DeviceSpec.from_string(op.device)
-    if spec.job is None:
+    task = _task(tf.DeviceSpec.from_string(op.device))
+    if task is None:
         return False
-    task = (spec.job, spec.replica or 0, spec.task or 0)
     tokens = _tokens.setdefault(op.graph, {})
     if task not in tokens:
         tokens[task] = _TaskSideEffects()

@@ -29,6 +29,23 @@ def test_checks_on_one_task_stay_in_order_and_wait_for_no_other_task():
     assert other_task not in second.control_inputs
 
 
+def test_outputs_wait_for_this_process_only_and_every_check_still_runs():
+    side_effects.order_per_task()
+
+    @tf.function
+    def checks(x):
+        for device in (WORKER.format(1), None):
+            with tf.device(device):
+                tf.debugging.Assert(tf.reduce_all(x > 0), ["x must be positive"])
+        return x + 1
+
+    graph = checks.get_concrete_function(tf.TensorSpec([2])).graph
+    remote, local = [op for op in graph.get_operations() if op.type == "Assert"]
+    waits = [op for output in graph.outputs for op in output.op.control_inputs]
+    assert [op.control_inputs for op in waits] == [[local]]
+    assert {remote, local} <= set(graph.control_outputs)
+
+
 def test_a_check_still_fails_the_function():
     side_effects.order_per_task()
 

@@ -58,6 +58,15 @@ def test_no_batch_step_counter_or_id_check_crosses_between_workers(report):
     assert not crossing, between_workers
 
 
+def test_the_chief_receives_the_steps_logs_alone(report):
+    # The step's outputs wait for the chief's own side effects only: no task sends it
+    # a control tensor, worker 0 sends the logs' vector.
+    names = report["exact"]["transfers"]["names"]
+    to_chief = {pair: edges for pair, edges in names.items() if pair.endswith("->chief0")}
+    assert list(to_chief) == ["worker0->chief0"] and len(to_chief["worker0->chief0"]) == 1, (
+        to_chief)
+
+
 def test_each_ps_task_receives_the_optimizers_variables_once_per_step(report):
     # Adam reads the learning rate and the step count (mirrored, on the workers) for
     # each of the 4 tables (6 shards, 3 on each ps): each ps task gets each once.
