@@ -71,14 +71,22 @@ def order_per_task():
 
 
 def _outputs_wait_for_this_task_only(func_graph):
-    """Drops the control inputs from other tasks of the no-op the outputs wait on."""
+    """In a function that spans tasks, keeps of the control inputs of the no-op its
+    outputs wait on those placed on this process's task."""
     # pylint: disable=protected-access
     here = _task(tf.DeviceSpec.from_string(context.context().host_address_space()))
+
+    def on_this_task(op):
+        return _task(tf.DeviceSpec.from_string(op.device)) == here
+
+    # Ops without a device of their own (a variable's update goes where the variable
+    # is) are placed later: only those placed here are known to be here.
+    if all(on_this_task(op) for op in func_graph.get_operations() if op.device):
+        return
     waits = {control for output in func_graph.outputs for control in output.op.control_inputs
              if control.type == "NoOp" and control.graph is func_graph}
     for wait in waits:
-        kept = [op for op in wait.control_inputs
-                if not op.device or _task(tf.DeviceSpec.from_string(op.device)) in (None, here)]
+        kept = [op for op in wait.control_inputs if op.device and on_this_task(op)]
         if len(kept) < len(wait.control_inputs):
             wait._remove_all_control_inputs()
             wait._add_control_inputs(kept)

@@ -34,7 +34,7 @@ def test_outputs_wait_for_this_process_only_and_every_check_still_runs():
 
     @tf.function
     def checks(x):
-        for device in (WORKER.format(1), None):
+        for device in (WORKER.format(1), "/job:localhost/replica:0/task:0/device:CPU:0"):
             with tf.device(device):
                 tf.debugging.Assert(tf.reduce_all(x > 0), ["x must be positive"])
         return x + 1
