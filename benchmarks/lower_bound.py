@@ -20,8 +20,8 @@ So a worker moves at least 2 x (dense + sparse) bytes per step, sent plus receiv
 is the figure printed beside the measured sent + received bytes. With rows crossing in
 bfloat16 (`HybridStrategy(wire_dtype="bfloat16")`, the `hybrid-bf16` contender), the
 sparse term counts 2 bytes per element instead of the table's 4: the compressed bound,
-printed beside it (dense gradients still cross in float32). (The issue writes the
-bound as 2(N-1)/N * M + 2 r row_bytes: that counts the all-reduce in one direction and
+printed beside it (dense gradients still cross in float32). (The bound is often written
+as 2(N-1)/N * M + 2 r row_bytes: that counts the all-reduce in one direction and
 the rows in both; per direction, as here, the all-reduce term is the same and the rows
 count once, and the total counts both directions of both.) With one worker nothing has
 to move: the bound is 0.

@@ -6,7 +6,7 @@ Reads every JSON file that `python -m benchmarks.run` wrote there and writes
 `README.md` beside them: per run, the machine (nproc, CPU, kernel), date, network and
 exact command, then the table of contenders (throughput and ratio to one process alone,
 median step time, bytes per worker per step beside the lower bound, bytes of the chief and
-ps, peak RSS per task) and the bytes of every task; then the issue's targets, met or not.
+ps, peak RSS per task) and the bytes of every task; then the targets, met or not.
 With matplotlib it also draws, as PNG beside them, throughput against the number of
 workers per contender (one figure per model and network), and each run's bytes per
 worker per step against its lower bound. Plots need matplotlib (`pip install matplotlib`).
@@ -190,7 +190,7 @@ def profile_sections(run):
     return lines
 
 
-# Targets (issue: "Benchmarks that prove the hybrid") ------------------------------------
+# Targets --------------------------------------------------------------------------------
 
 
 def _ratio(run, a, b):
@@ -198,10 +198,21 @@ def _ratio(run, a, b):
     return x["units_per_s"] / y["units_per_s"] if x and y else None
 
 
-def _is_target_cluster(run):
+def _is_target_cluster(run, ps):
     net = run["network"]
-    return (run["config"]["workers"] == 4 and run["config"]["ps"] == 2
+    return (run["config"]["workers"] == 4 and run["config"]["ps"] == ps
             and net["mode"] == "netns" and net.get("link_gbit") == 1)
+
+
+def _cpu_ratio(run, a, b):
+    """CPU time of all of `a`'s tasks per step over `b`'s (the same global batch)."""
+    totals = []
+    for contender in (_ok(run, a), _ok(run, b)):
+        cpu = [e.get("cpu_ms_per_step") for e in (contender or {}).get("per_task", {}).values()]
+        if not cpu or None in cpu:
+            return None
+        totals.append(sum(cpu))
+    return totals[0] / totals[1]
 
 
 def targets(runs):
@@ -215,9 +226,10 @@ def targets(runs):
             met = value <= threshold if lower_is_better else value >= threshold
             rows.append((name, fmt.format(value), met))
 
-    def headline(model):
-        """The full (not --quick) run on the target cluster with the most repeats."""
-        found = [r for r in runs if r["model"] == model and _is_target_cluster(r)
+    def headline(model, ps=2):
+        """The full (not --quick) run on 4 workers + `ps` ps, 1 Gbit/s links, with the
+        most repeats."""
+        found = [r for r in runs if r["model"] == model and _is_target_cluster(r, ps)
                  and not r.get("quick") and not r.get("profiled")]
         found.sort(key=lambda r: (r["config"].get("repeats", 1), r["date"]))
         return found[-1] if found else None
@@ -229,6 +241,18 @@ def targets(runs):
         _ratio(lm, "hybrid", "ps") if lm else None, 1.3)
     add("CNN, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 0.95x mwms examples/s",
         _ratio(cnn, "hybrid", "mwms") if cnn else None, 0.95)
+    # A step's fixed cost: against the asynchronous ParameterServerStrategy, the
+    # synchronous peer, and one process's CPU time per example.
+    for model, unit, cpu_bound in (("recommender", "examples/s", 2.0), ("lm", "tokens/s", 1.15)):
+        run = headline(model, ps=1)
+        prefix = f"{model}, 4 workers + 1 ps, 1 Gbit/s:"
+        add(f"{prefix} hybrid >= 1x pss {unit}", _ratio(run, "hybrid", "pss") if run else None,
+            1.0)
+        add(f"{prefix} hybrid >= 3x mwms {unit}",
+            _ratio(run, "hybrid", "mwms") if run else None, 3.0)
+        add(f"{prefix} CPU time of all tasks per example, hybrid <= {cpu_bound:g}x single",
+            _cpu_ratio(run, "hybrid", "single") if run else None, cpu_bound,
+            lower_is_better=True)
     for run in runs:
         hybrid = _ok(run, "hybrid")
         value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
