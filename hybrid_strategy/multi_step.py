@@ -286,9 +286,14 @@ class CallsOnIterator:
                 self._flat, self._concrete.captured_inputs)
         outputs = self._function(iterator)
         concrete = self._function.get_concrete_function(iterator)
-        self._concrete, self._iterator = concrete, weakref.ref(iterator)
+        self._concrete, self._iterator = concrete, weakref.ref(iterator, self._forget)
         self._flat = concrete.function_type.unpack_inputs(concrete.function_type.bind(iterator))
         return outputs
+
+    def _forget(self, iterator_ref):
+        # The iterator is gone: let go of its tensors, so that its resources go too.
+        if self._iterator is iterator_ref:
+            self._concrete = self._flat = None
 
 
 def counted_function(strategy, steps, one_step_on_data, unpack, run_eagerly=False):

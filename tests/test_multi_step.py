@@ -38,3 +38,5 @@ def test_later_calls_on_an_iterator_read_on_from_it_without_flattening_it_again(
     assert int(calls(first)) == 30  # the first iterator read on where it stopped
     assert counting.calls == 3
     assert int(total.numpy()) == 0 + 1 + 2 + 100 + 101 + 3
+    del first
+    assert calls._flat is None  # pylint: disable=protected-access
