@@ -33,6 +33,9 @@ from hybrid_strategy import cluster as cluster_lib
 _CONNECTION_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
                       tf.errors.CancelledError, tf.errors.DeadlineExceededError)
 _PROBE_TIMEOUT = 2.0  # seconds each task gets to answer when an error may name a lost one
+# What gRPC says when the connection itself broke (not an error some op raised): the
+# peer's process went away, or restarted, under an open channel.
+_BROKEN_CONNECTION = ("Broken pipe", "Connection reset", "Socket closed", "Stream removed")
 _exiting = threading.Lock()
 
 
@@ -140,24 +143,34 @@ def install_lost_task_hooks(config):
 
 def _exit_if_task_lost(config, error):
     """Exits with code 75 when `error` comes from a task that died, hung or restarted."""
-    if not isinstance(error, tf.errors.OpError):
-        return
-    text = error.message or ""
-    # A restarted server has forgotten this chief's context: "Unable to find a context_id".
-    if not isinstance(error, _CONNECTION_ERRORS) and "context_id" not in text:
-        return
-    lost = cluster_lib.lost_tasks(config, _PROBE_TIMEOUT)
-    if not lost:
-        named = [task for task in cluster_lib.tasks_named_in(config, text)
-                 if task[0] != "chief"]
-        why = ("named in the error; it answers again, so it restarted or the network "
-               "dropped the connection")
-        if not named and "context_id" in text:
-            # The error does not say which server has forgotten this program.
-            named = [task for task in config.tasks() if task[0] != "chief"]
-            why = "it answers, but it or another of these restarted and forgot this program"
-        lost = [(task, why) for task in named]
+    lost = tasks_lost_behind(config, error)
     if lost:
         exit_on_lost_task(
             f"lost {len(lost)} task(s) during training ({type(error).__name__}):\n"
             f"{cluster_lib.describe_tasks(lost)}\nThe training step cannot finish without them.")
+
+
+def tasks_lost_behind(config, error):
+    """[(task, why)] of the tasks whose loss caused `error`; empty when none did."""
+    if not isinstance(error, tf.errors.OpError):
+        return []
+    text = error.message or ""
+    # A restarted server has forgotten this chief's context: "Unable to find a context_id".
+    if not isinstance(error, _CONNECTION_ERRORS) and "context_id" not in text:
+        return []
+    lost = cluster_lib.lost_tasks(config, _PROBE_TIMEOUT)
+    if lost:
+        return lost
+    named = [task for task in cluster_lib.tasks_named_in(config, text) if task[0] != "chief"]
+    why = ("named in the error; it answers again, so it restarted or the network "
+           "dropped the connection")
+    if not named and "context_id" in text:
+        # The error does not say which server has forgotten this program.
+        named = [task for task in config.tasks() if task[0] != "chief"]
+        why = "it answers, but it or another of these restarted and forgot this program"
+    elif not named and any(marker in text for marker in _BROKEN_CONNECTION):
+        # A channel to a server that restarted breaks before the server can say so.
+        named = [task for task in config.tasks() if task[0] != "chief"]
+        why = ("it answers, but the connection to it or another of these broke: one "
+               "restarted, or the network dropped the connection")
+    return [(task, why) for task in named]

@@ -181,16 +181,19 @@ def test_module_does_not_import_tensorflow():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.fixture
-def answering():
+def _answering_server():
     """A real gRPC server (grpcio, which TensorFlow installs) with no services: it answers
-    the HTTP/2 handshake as TensorFlow's servers do."""
+    the HTTP/2 handshake as TensorFlow's servers do. Yields its address."""
     grpc = pytest.importorskip("grpc")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop(None)
+
+
+answering = pytest.fixture(_answering_server)
+answering_too = pytest.fixture(_answering_server, name="answering_too")
 
 
 @pytest.fixture
@@ -313,3 +316,19 @@ def test_lost_tasks_and_tasks_named_in_an_error(answering, silent):
     assert cluster.tasks_named_in(config, text) == [
         ("worker", 0, answering), ("worker", 1, silent), ("ps", 0, closed)]
     assert cluster.tasks_named_in(config, f"{answering}0 /job:ps/task:10") == []
+
+
+@pytest.mark.parametrize("message, lost", [
+    ("sendmsg: Broken pipe (32)", True),
+    ("Unable to find a context_id matching the specified one", True),
+    ("failed to reach /job:ps/replica:0/task:0", True),
+    ("the data server is down", False),
+])
+def test_an_error_from_a_broken_connection_to_tasks_that_answer_again_names_them(
+        answering, answering_too, message, lost):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    config = cluster.ClusterConfig({"chief": ["127.0.0.1:1"], "worker": [answering],
+                                    "ps": [answering_too]})
+    tasks = liveness.tasks_lost_behind(config, tf.errors.UnavailableError(None, None, message))
+    expected = [("ps", 0)] if "task:0" in message else [("worker", 0), ("ps", 0)]
+    assert [(task[0], task[1]) for task, _ in tasks] == (expected if lost else [])
