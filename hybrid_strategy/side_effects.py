@@ -74,17 +74,19 @@ def _outputs_wait_for_this_task_only(func_graph):
     """In a function that spans tasks, keeps of the control inputs of the no-op its
     outputs wait on those placed on this process's task."""
     # pylint: disable=protected-access
-    here = _task(tf.DeviceSpec.from_string(context.context().host_address_space()))
+    waits = {control for output in func_graph.outputs for control in output.op.control_inputs
+             if control.type == "NoOp" and control.graph is func_graph}
+    if not waits:
+        return
+    here = _task(context.context().host_address_space())
 
     def on_this_task(op):
-        return _task(tf.DeviceSpec.from_string(op.device)) == here
+        return _task(op.device) == here
 
     # Ops without a device of their own (a variable's update goes where the variable
     # is) are placed later: only those placed here are known to be here.
     if all(on_this_task(op) for op in func_graph.get_operations() if op.device):
         return
-    waits = {control for output in func_graph.outputs for control in output.op.control_inputs
-             if control.type == "NoOp" and control.graph is func_graph}
     for wait in waits:
         kept = [op for op in wait.control_inputs if op.device and on_this_task(op)]
         if len(kept) < len(wait.control_inputs):
@@ -92,7 +94,9 @@ def _outputs_wait_for_this_task_only(func_graph):
             wait._add_control_inputs(kept)
 
 
-def _task(spec):
+def _task(device):
+    """(job, replica, task) of a device string, None without a job."""
+    spec = tf.DeviceSpec.from_string(device)
     return None if spec.job is None else (spec.job, spec.replica or 0, spec.task or 0)
 
 
@@ -103,7 +107,7 @@ def _side_effects_of_task(op, reads, writes):
     if (reads or writes or not op.device or op._control_flow_context is not None
             or not auto_control_deps.op_is_stateful(op)):
         return False
-    task = _task(tf.DeviceSpec.from_string(op.device))
+    task = _task(op.device)
     if task is None:
         return False
     tokens = _tokens.setdefault(op.graph, {})
