@@ -164,13 +164,15 @@ def tasks_lost_behind(config, error):
     named = [task for task in cluster_lib.tasks_named_in(config, text) if task[0] != "chief"]
     why = ("named in the error; it answers again, so it restarted or the network "
            "dropped the connection")
-    if not named and "context_id" in text:
-        # The error does not say which server has forgotten this program.
+    if not named:
+        # The error does not say which server it was: any of them may be.
+        if "context_id" in text:
+            why = "it answers, but it or another of these restarted and forgot this program"
+        elif any(marker in text for marker in _BROKEN_CONNECTION):
+            # A channel to a server that restarted breaks before the server can say so.
+            why = ("it answers, but the connection to it or another of these broke: one "
+                   "restarted, or the network dropped the connection")
+        else:
+            return []
         named = [task for task in config.tasks() if task[0] != "chief"]
-        why = "it answers, but it or another of these restarted and forgot this program"
-    elif not named and any(marker in text for marker in _BROKEN_CONNECTION):
-        # A channel to a server that restarted breaks before the server can say so.
-        named = [task for task in config.tasks() if task[0] != "chief"]
-        why = ("it answers, but the connection to it or another of these broke: one "
-               "restarted, or the network dropped the connection")
     return [(task, why) for task in named]
