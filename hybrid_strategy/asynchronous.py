@@ -45,17 +45,16 @@ import weakref
 
 import tensorflow as tf
 
-# TF-private: the pieces of tf.distribute's input pipeline (sharding a dataset for one
-# worker, distributing it over that worker's replicas), the update context and the
-# variable wrapper that aggregates replicas' writes (as ParameterServerStrategy has it).
+# TF-private: the piece of tf.distribute's input pipeline that shards a dataset for one
+# worker, the update context and the variable wrapper that aggregates replicas' writes
+# (as ParameterServerStrategy has it).
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute import input_ops
-from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import ps_values
 
 from hybrid_strategy import multi_step
+from hybrid_strategy import worker_input
 
 # Steps a worker may have in flight: one running and one queued, so that it starts its
 # next step without waiting for the chief.
@@ -182,10 +181,8 @@ class AsyncDataset:
             # By file when the dataset reads enough files, else every W-th batch.
             dataset = input_ops.auto_shard_dataset(dataset, len(hosts), worker, len(devices))
         with self._scope.of_worker(worker):
-            distributed = input_util.get_distributed_dataset(
-                dataset, input_lib.InputWorkers([(host, devices)]), self._strategy,
-                num_replicas_in_sync=len(devices), options=self._options)
-            return iter(distributed)
+            return iter(worker_input.distributed_by_tensorflow(
+                dataset, [(host, devices)], self._strategy, len(devices), self._options))
 
     def __iter__(self):
         return AsyncIterator(self)

@@ -385,7 +385,16 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                                   options))
         # Each worker builds only its own batches (worker_input.py).
         return worker_input.distribute_dataset(
-            self, dataset, options, super()._experimental_distribute_dataset)
+            self, dataset, options, self._tensorflow_distribute)
+
+    def _tensorflow_distribute(self, dataset, options):
+        """TensorFlow's own distribution of `dataset`, read as worker_input.own_iterators says."""
+        if worker_input.own_iterators(self._input_workers_devices, options) is None:
+            return super()._experimental_distribute_dataset(dataset, options)
+        # (MirroredStrategy's own method refuses the PER_REPLICA input this reads with.)
+        return worker_input.distributed_by_tensorflow(
+            dataset, self._input_workers_devices, self._container_strategy(),
+            self._num_replicas_in_sync, options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if self.worker_scope:
@@ -394,7 +403,20 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "distribute_datasets_from_function: each worker reads every W-th global "
                 "batch of one dataset. Pass fit a tf.data.Dataset batched with the global "
                 "batch size (or numpy arrays); tf.data shards files among the workers.")
-        return super()._distribute_datasets_from_function(dataset_fn, options)
+        reading = worker_input.own_iterators(self._input_workers_devices, options)
+        if reading is None:
+            return super()._distribute_datasets_from_function(dataset_fn, options)
+        return super()._distribute_datasets_from_function(
+            lambda context: worker_input.prefetched(dataset_fn(context), reading), reading)
+
+    def _input_workers_with_options(self, options=None):
+        # TensorFlow's PER_REPLICA input overwrites _input_workers_devices with one input
+        # worker per device: the strategy's workers stay what they are.
+        workers = self._input_workers_devices
+        try:
+            return super()._input_workers_with_options(options)
+        finally:
+            self._input_workers_devices = workers
 
     # Variable creation -------------------------------------------------------
 

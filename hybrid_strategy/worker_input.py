@@ -24,6 +24,12 @@ import tensorflow as tf
 # TF-private: a dataset re-created on a device from a serialized graph, as TensorFlow's
 # `replicate` makes it on each worker.
 from tensorflow.python.data.experimental.ops import distribute as data_distribute
+# TF-private: TensorFlow's distribution of a dataset over workers.
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute import input_util
+# TF-private: the class of `dataset.prefetch(n)`, to see that a dataset already keeps
+# batches ready.
+from tensorflow.python.data.ops import prefetch_op
 
 from hybrid_strategy import input_graph
 from hybrid_strategy import input_plan
@@ -68,6 +74,68 @@ def distribute_dataset(extended, dataset, options, tensorflow_distribute):
         return tensorflow_distribute(dataset, options)
     return extended._distribute_datasets_from_function(  # pylint: disable=protected-access
         lambda context: worker_dataset(context.input_pipeline_id), options)
+
+
+def own_iterators(hosts, options):
+    """The options under which each worker reads its batches with its dataset's own iterator.
+
+    TensorFlow reads a worker's batches through a MultiDeviceIterator (a background
+    thread and a function call per batch) that copies them to the worker's replicas'
+    devices. Where every worker has one replica, on its host, there is nothing to copy:
+    PER_REPLICA input not fetched to the device reads the dataset's iterator itself, and
+    `prefetched` keeps a batch ready as the MultiDeviceIterator did. Every dataset a
+    strategy distributes must be read one way: TensorFlow's function cache takes an
+    iterator of either kind for the other (their specs differ only in options), and a
+    function traced for one fails on the other.
+
+    Args:
+        hosts: (input device, its replicas' devices) of every worker.
+        options: The `tf.distribute.InputOptions` given, or None.
+    Returns:
+        `options` (or the default ones) made PER_REPLICA without fetching to the device,
+        or None where they ask for another replication or a worker has several replicas
+        or one off its host.
+    """
+    options = options or tf.distribute.InputOptions()
+    if (options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
+            or not all(len(devices) == 1 and tf.DeviceSpec.from_string(devices[0])
+                       == tf.DeviceSpec.from_string(host) for host, devices in hosts)):
+        return None
+    return options._replace(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+        experimental_fetch_to_device=False)
+
+
+def distributed_by_tensorflow(dataset, hosts, strategy, num_replicas_in_sync, options):
+    """TensorFlow's own distribution of `dataset` over `hosts`, read as `own_iterators` says.
+
+    Args:
+        dataset: A batched `tf.data.Dataset` (global batches).
+        hosts: (input device, its replicas' devices) of every worker reading it.
+        strategy: The strategy.
+        num_replicas_in_sync: The replicas of `hosts` a global batch is split over.
+        options: The `tf.distribute.InputOptions` given, or None.
+    """
+    reading = own_iterators(hosts, options)
+    distributed = input_util.get_distributed_dataset(
+        dataset, input_lib.InputWorkers(hosts), strategy,
+        num_replicas_in_sync=num_replicas_in_sync, options=reading or options)
+    if reading is not None:
+        # TF-private: the dataset each worker reads.
+        distributed._cloned_datasets = [  # pylint: disable=protected-access
+            prefetched(worker_dataset, reading)
+            for worker_dataset in distributed._cloned_datasets]  # pylint: disable=protected-access
+    return distributed
+
+
+def prefetched(dataset, options):
+    """`dataset` keeping batches ready, as TensorFlow's MultiDeviceIterator keeps them."""
+    if isinstance(dataset, prefetch_op._PrefetchDataset):  # pylint: disable=protected-access
+        return dataset
+    # TF-private: the dataset's tensor, on the device its prefetch must run on (a
+    # function given to distribute_datasets_from_function may make it anywhere).
+    with tf.device(dataset._variant_tensor.device):  # pylint: disable=protected-access
+        return dataset.prefetch(options.experimental_per_replica_buffer_size)
 
 
 def shares(dataset, devices, replicas_per_worker):

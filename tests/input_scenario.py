@@ -315,6 +315,30 @@ def case_numpy(models, strategy):
     }
 
 
+def case_readers(models, strategy, logs, directory):
+    """How each worker reads each kind of distributed dataset: the class of its iterator."""
+    features, y = make_arrays()
+    files = tf.data.Dataset.list_files(write_files(directory, 8, 64), shuffle=False) \
+        .interleave(tf.data.TFRecordDataset, cycle_length=2).map(parser(logs, "readers"))
+    def in_memory(batch=BATCH):
+        return tf.data.Dataset.from_tensor_slices((features, y)).batch(batch)
+
+    distributed = {
+        "files": strategy.experimental_distribute_dataset(files.batch(BATCH)),
+        "in_memory": strategy.experimental_distribute_dataset(in_memory()),
+        "function": strategy.distribute_datasets_from_function(
+            lambda context: in_memory(context.get_per_replica_batch_size(BATCH))),
+        "arrays": array_input.distribute_arrays(strategy, (features, y), BATCH, False),
+        "options_given": strategy.experimental_distribute_dataset(
+            in_memory(), tf.distribute.InputOptions(
+                experimental_fetch_to_device=True)),
+    }
+    # TF-private: a distributed iterator's iterator on each worker, and what that reads.
+    return {name: [type(worker._iterator).__name__  # pylint: disable=protected-access
+                   for worker in iter(data)._iterators]  # pylint: disable=protected-access
+            for name, data in distributed.items()}
+
+
 CASES = {
     "files": case_files,
     "one_file": case_one_file,
@@ -323,6 +347,7 @@ CASES = {
     "in_memory_off": lambda m, s, logs, d: case_in_memory(m, s, logs, "OFF"),
     "function": lambda m, s, logs, d: case_function(m, s),
     "numpy": lambda m, s, logs, d: case_numpy(m, s),
+    "readers": case_readers,
 }
 
 

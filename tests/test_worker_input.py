@@ -13,7 +13,9 @@ import functools
 import os
 
 import pytest
+import tensorflow as tf
 
+from hybrid_strategy import worker_input
 from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,6 +95,41 @@ def test_per_worker_input_function_fit_evaluate_predict(case, flavour):
     assert function["predicted_ids"] == list(range(ROWS))
     assert function["predictions_per_id"] == [1]
     assert function["predict_error"] <= 1e-5
+
+
+CPU = "/job:worker/replica:0/task:{}/device:CPU:0"
+
+
+def test_one_cpu_replica_per_worker_reads_its_datasets_iterator_with_the_options_given():
+    hosts = [(CPU.format(0), (CPU.format(0),)), (CPU.format(1), (CPU.format(1),))]
+    given = tf.distribute.InputOptions(experimental_per_replica_buffer_size=3)
+    reading = worker_input.own_iterators(hosts, given)
+    assert reading.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
+    assert not reading.experimental_fetch_to_device
+    assert reading.experimental_per_replica_buffer_size == 3
+    assert worker_input.own_iterators(hosts, None) == reading._replace(
+        experimental_per_replica_buffer_size=1)
+
+
+@pytest.mark.parametrize("hosts, options", [
+    ([(CPU.format(0), (CPU.format(0), "/job:worker/replica:0/task:0/device:CPU:1"))], None),
+    ([(CPU.format(0), ("/job:worker/replica:0/task:0/device:GPU:0",))], None),
+    ([(CPU.format(0), (CPU.format(0),))], tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)),
+], ids=["two_replicas", "gpu", "per_replica_given"])
+def test_other_workers_or_options_keep_tensorflows_reading(hosts, options):
+    assert worker_input.own_iterators(hosts, options) is None
+
+
+@KERAS3
+def test_each_worker_reads_its_one_cpu_replicas_batches_with_the_datasets_own_iterator(
+        case, flavour):
+    # No MultiDeviceIterator (a thread and a function call per batch) where each worker's
+    # one replica runs on its host: sharded by TensorFlow, by the workers' shares, from
+    # a function, from arrays, with options given.
+    readers = case(flavour, "readers")
+    for name in ("files", "in_memory", "function", "arrays", "options_given"):
+        assert readers[name] == ["OwnedIterator", "OwnedIterator"], name
 
 
 @BOTH
