@@ -93,11 +93,12 @@ def own_iterators(hosts, options):
         options: The `tf.distribute.InputOptions` given, or None.
     Returns:
         `options` (or the default ones) made PER_REPLICA without fetching to the device,
-        or None where they ask for another replication or a worker has several replicas
-        or one off its host.
+        or None where they ask for another replication or for placing the dataset on
+        the device, or a worker has several replicas or one off its host.
     """
     options = options or tf.distribute.InputOptions()
     if (options.experimental_replication_mode != tf.distribute.InputReplicationMode.PER_WORKER
+            or options.experimental_place_dataset_on_device  # refused by TensorFlow
             or not all(len(devices) == 1 and tf.DeviceSpec.from_string(devices[0])
                        == tf.DeviceSpec.from_string(host) for host, devices in hosts)):
         return None

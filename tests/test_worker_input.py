@@ -116,7 +116,9 @@ def test_one_cpu_replica_per_worker_reads_its_datasets_iterator_with_the_options
     ([(CPU.format(0), ("/job:worker/replica:0/task:0/device:GPU:0",))], None),
     ([(CPU.format(0), (CPU.format(0),))], tf.distribute.InputOptions(
         experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)),
-], ids=["two_replicas", "gpu", "per_replica_given"])
+    ([(CPU.format(0), (CPU.format(0),))], tf.distribute.InputOptions(
+        experimental_place_dataset_on_device=True)),
+], ids=["two_replicas", "gpu", "per_replica_given", "placed_on_device"])
 def test_other_workers_or_options_keep_tensorflows_reading(hosts, options):
     assert worker_input.own_iterators(hosts, options) is None
 
