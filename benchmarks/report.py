@@ -227,11 +227,12 @@ def targets(runs):
             rows.append((name, fmt.format(value), met))
 
     def headline(model, ps=2):
-        """The full (not --quick) run on 4 workers + `ps` ps, 1 Gbit/s links, with the
-        most repeats."""
+        """The full (not --quick) run on 4 workers + `ps` ps, 1 Gbit/s links, measured
+        longest: the most repeats, then the most measured steps."""
         found = [r for r in runs if r["model"] == model and _is_target_cluster(r, ps)
                  and not r.get("quick") and not r.get("profiled")]
-        found.sort(key=lambda r: (r["config"].get("repeats", 1), r["date"]))
+        found.sort(key=lambda r: (r["config"].get("repeats", 1), r["config"]["steps"],
+                                  r["date"]))
         return found[-1] if found else None
 
     lm, cnn = headline("lm"), headline("cnn")
@@ -298,9 +299,15 @@ def load(results_dir):
     return runs
 
 
+# benchmarks.run's default (warm-up, measured) steps.
+DEFAULT_WINDOW = (5, 30)
+
+
 def _group_key(run):
-    net = run["network"]
-    return (run["model"], net["mode"], net.get("link_gbit"), run["config"]["global_batch"])
+    """Runs drawn on one throughput-vs-workers plot: same model, network, batch and window."""
+    net, cfg = run["network"], run["config"]
+    return (run["model"], net["mode"], net.get("link_gbit"), cfg["global_batch"],
+            cfg["warmup"], cfg["steps"])
 
 
 def _slug(text):
@@ -324,7 +331,7 @@ def plot(runs, results_dir):
         if not run.get("quick") and not run.get("profiled"):  # full, untraced runs only
             groups.setdefault(_group_key(run), []).append(run)
     for key, group in groups.items():
-        model, mode, link, batch = key
+        model, mode, link, batch, warmup, steps = key
         unit = group[0]["config"].get("unit", "examples")
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
         for contender in ORDER:
@@ -351,7 +358,8 @@ def plot(runs, results_dir):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
-        name = f"{_slug(model)}-throughput-{_slug(network)}.png"
+        window = "" if (warmup, steps) == DEFAULT_WINDOW else f"-{warmup}-{steps}-steps"
+        name = f"{_slug(model)}-throughput-{_slug(network)}{window}.png"
         fig.tight_layout()
         fig.savefig(os.path.join(results_dir, name), dpi=110)
         plt.close(fig)
@@ -397,6 +405,10 @@ def readme(runs, images):
              "the same global batch and data on a fresh cluster of real processes; "
              "`benchmarks/run.py`, `benchmarks/contenders.py` and "
              "`benchmarks/lower_bound.py` say exactly how.", "",
+             "- **Targets** take, per model and cluster, the run measured longest (the "
+             "most repeats, then the most measured steps): where a step lasts a few "
+             "milliseconds, the default 30 steps last a fraction of a second, still within "
+             "the cluster's start-up.",
              "- **Throughput** counts the measured steps only (after warm-up), examples/s "
              "(tokens/s for the language model); *vs single* is the ratio to one process "
              "without a strategy on the same machine.",

@@ -566,8 +566,10 @@ def parse(argv):
                         "contenders (hybrid_strategy.server --cpu-devices)")
     parser.add_argument("--link-gbit", type=float, default=None,
                         help="rate limit of every emulated link, Gbit/s (namespaces only)")
-    parser.add_argument("--steps", type=int, default=30, help="measured steps")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps (traced first)")
+    parser.add_argument("--steps", type=int, default=report.DEFAULT_WINDOW[1],
+                        help="measured steps")
+    parser.add_argument("--warmup", type=int, default=report.DEFAULT_WINDOW[0],
+                        help="warm-up steps (traced first)")
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="Keras compile(steps_per_execution=N): steps per call of the "
                         "training function; --steps and --warmup must be multiples of it")

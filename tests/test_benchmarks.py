@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import lower_bound
 from benchmarks import netem
+from benchmarks import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -307,6 +308,24 @@ def test_scaling_summary_of_runs(tmp_path):
     assert "| text | loopback | mwms | 1 | worker0 |" in text
     assert "| text | loopback | hybrid | 1 | 4 | 100 | 10.0 | 9.0 | 10.0, 11.0, 12.0, 13.0 | - | 1.50 kB | 1.00 kB | 1.50 |" in text
     assert "- `cmd w4`" in text
+
+
+def _recommender_run(steps, hybrid, pss, date):
+    return {"model": "recommender", "date": date, "network": {"mode": "netns", "link_gbit": 1},
+            "config": {"workers": 4, "ps": 1, "repeats": 3, "warmup": 5, "steps": steps,
+                       "global_batch": 512},
+            "contenders": [{"contender": name, "status": "ok", "units_per_s": value}
+                           for name, value in (("hybrid", hybrid), ("pss", pss))]}
+
+
+def test_targets_take_the_run_measured_longest():
+    # The 30-step run is newer; the 1000-step one has as many repeats and more steps.
+    runs = [_recommender_run(1000, 55.0, 72.0, "2026-01-01"),
+            _recommender_run(30, 45.0, 63.0, "2026-02-01")]
+    rows = {name: value for name, value, _ in report.targets(runs)}
+    assert rows["recommender, 4 workers + 1 ps, 1 Gbit/s: hybrid >= 1x pss examples/s"] == (
+        f"{55.0 / 72.0:.2f}x")
+    assert len({report._group_key(r) for r in runs}) == 2  # not drawn as one line
 
 
 def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
