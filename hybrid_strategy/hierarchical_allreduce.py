@@ -12,12 +12,13 @@ mirrored variables stay identical.
 
 Across a power-of-two number W of workers, a small gradient (at most `SMALL_BYTES`, a
 click-through model's dense layers) is summed in the step's graph instead of by collective
-ops: by recursive halving then doubling (Rabenseifner), 2 log2 W messages per worker
-(4 workers: 4, where the ring takes 6) and the ring's bytes; 2 workers exchange their
-whole gradients once (1 message, the ring's bytes). Each part of the sum is added on one
-worker and copied to the others, so every worker holds the same sum. Per message, a step
-pays calls between processes at both ends and a network round trip, and collective ops
-their own executor besides: below the threshold the fewer messages win.
+ops: by recursive halving, a swap between neighbours, then recursive doubling, 2 log2 W - 1
+messages per worker (4 workers: 3, where the ring takes 6) and the ring's bytes; 2 workers
+exchange their whole gradients once (1 message, the ring's bytes). Each part of the sum
+is added on one worker, or on two neighbours in the same order, and copied to the others,
+so every worker holds the same sum. Per message, a step pays calls between processes at
+both ends and a network round trip, and collective ops their own executor besides: below
+the threshold the fewer messages win.
 
 GPU replicas keep TensorFlow's choice (NCCL organises its own rings within and across
 machines); so does a cluster of workers with one replica each whose number is not a power
@@ -146,39 +147,49 @@ class HierarchicalAllReduce:
 
 def _in_graph_sum(values, devices):
     """Each of `devices` (a power-of-two number) ends with the sum of `values` (one 1-D
-    tensor of static length on each): 2 devices swap theirs; more halve and double."""
-    if len(devices) == 2:
-        with tf.device(devices[0]), tf.name_scope("exchange"):
-            first = values[0] + values[1]
-        with tf.device(devices[1]), tf.name_scope("exchange"):
-            second = values[0] + values[1]  # the same order: the same sum
-        return [first, second]
+    tensor of static length on each), in 2 log2 W - 1 messages per device with the ring's
+    bytes.
+
+    Recursive halving leaves each pair of neighbours (devices 2j and 2j + 1) with partial
+    sums of the same 2/W of the vector; they swap those whole, both adding them in the same
+    order (the same bits), and recursive doubling gathers the rest. Rabenseifner's scheme
+    would halve once more and double once more: one message more for the same bytes.
+    """
     count, length = len(devices), values[0].shape[0]
-    chunk = -(-length // count)
-    parts = []
-    for value, device in zip(values, devices):
-        with tf.device(device):
-            parts.append(tf.pad(value, [[0, chunk * count - length]]))
-    # Reduce-scatter: in each round a device keeps half of its range of chunks, adding its
+    blocks = count // 2  # a pair of neighbours ends the halving with one block
+    block = -(-length // blocks)
+    padding = block * blocks - length
+    parts = list(values)
+    if padding:
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                parts[i] = tf.pad(values[i], [[0, padding]])
+    # Reduce-scatter: in each round a device keeps half of its range of blocks, adding its
     # partner's part of that half (sliced where it lies: only the half crosses).
-    ranges = [(0, count)] * count
+    ranges = [(0, blocks)] * count
     distance = count // 2
-    while distance:
+    while distance > 1:
         kept_parts, kept_ranges = [], []
         for i, device in enumerate(devices):
             partner = i ^ distance
             start, end = ranges[i]
             middle = (start + end) // 2
             low, high = (start, middle) if i < partner else (middle, end)
-            begin, stop = (low - start) * chunk, (high - start) * chunk
+            begin, stop = (low - start) * block, (high - start) * block
             with tf.device(devices[partner]), tf.name_scope("halving"):
                 theirs = parts[partner][begin:stop]
             with tf.device(device), tf.name_scope("halving"):
                 kept_parts.append(parts[i][begin:stop] + theirs)
             kept_ranges.append((low, high))
         parts, ranges, distance = kept_parts, kept_ranges, distance // 2
+    swapped = []
+    for i, device in enumerate(devices):
+        first, second = sorted((i, i ^ 1))
+        with tf.device(device), tf.name_scope("exchange"):
+            swapped.append(parts[first] + parts[second])
+    parts = swapped
     # All-gather: partners join their ranges, doubling them, until every device has all.
-    distance = 1
+    distance = 2
     while distance < count:
         joined = []
         for i, device in enumerate(devices):
@@ -190,11 +201,11 @@ def _in_graph_sum(values, devices):
         ranges = [(min(ranges[i][0], ranges[i ^ distance][0]),
                    max(ranges[i][1], ranges[i ^ distance][1])) for i in range(count)]
         parts, distance = joined, distance * 2
-    summed = []
-    for part, device in zip(parts, devices):
-        with tf.device(device):
-            summed.append(part[:length])
-    return summed
+    if padding:
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                parts[i] = parts[i][:length]
+    return parts
 
 
 def _power_of_two(n):

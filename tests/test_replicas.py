@@ -270,16 +270,25 @@ for count, length in [(2, 5), (4, 13), (4, 16), (8, 29), (8, 3)]:
         return hierarchical_allreduce._in_graph_sum(placed, devices)
 
     sums = [s.numpy() for s in summed()]
-    errors.append([float(np.max(np.abs(sums[0] - np.sum(values, axis=0)))),
-                   all((s == sums[0]).all() for s in sums)])
+    # Messages: the tensors each device receives from the others.
+    received = {d: set() for d in devices}
+    for op in summed.get_concrete_function().graph.get_operations():
+        for tensor in op.inputs:
+            if tensor.op.device != op.device and op.device in received:
+                received[op.device].add(tensor.name)
+    errors.append([count, float(np.max(np.abs(sums[0] - np.sum(values, axis=0)))),
+                   all((s == sums[0]).all() for s in sums),
+                   sorted({len(names) for names in received.values()})])
 print(json.dumps(errors))
 """
 
 
-def test_the_in_graph_sum_gives_every_device_the_same_sum():
+def test_the_in_graph_sum_gives_every_device_the_same_sum_in_few_messages():
     # 2, 4 and 8 devices, lengths that do not split evenly, one process of 8 CPU devices.
     out = subprocess.run([sys.executable, "-c", IN_GRAPH_SUM], capture_output=True, text=True,
                          timeout=300, cwd=ROOT, env=environ())
     assert out.returncode == 0, out.stderr[-3000:]
-    for error, identical in json.loads(out.stdout.strip().splitlines()[-1]):
+    for count, error, identical, messages in json.loads(out.stdout.strip().splitlines()[-1]):
         assert error <= 1e-6 and identical
+        # 2 log2 W - 1 per device: 1, 3, 5.
+        assert messages == [2 * count.bit_length() - 3], (count, messages)
