@@ -258,7 +258,10 @@ def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
     assert set(hybrid["per_task"]) == {"chief", "worker0", "worker1", "ps0"}
     for task in hybrid["per_task"].values():
         assert task["peak_rss_mib"] > 0
-        assert task["cpu_ms_per_step"] > 0
+        assert task["cpu_ms_per_step"] >= 0
+    # CPU time is counted in clock ticks (10 ms): over 10 quick steps one task may use
+    # less than a tick, all of them together do not.
+    assert sum(task["cpu_ms_per_step"] for task in hybrid["per_task"].values()) > 0
     assert hybrid["bytes_source"].startswith("tcp_info")
     assert hybrid["summary"]["worker_bytes_per_step_mean"] > 0
     assert "| hybrid |" in done.stdout and "horovod" in done.stdout
