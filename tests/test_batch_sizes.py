@@ -3,7 +3,8 @@
 `tests/batch_sizes.py` runs once per shape (two shapes at a time): on one machine
 with two CPU replicas, every case, beside tf.distribute.MirroredStrategy on the same
 replicas, under Keras 3 and tf_keras; on a real cluster of 2 workers and 2 ps started
-by the launcher, the cases whose arithmetic crosses workers (an uneven split, an empty
+by the launcher (and of 4 workers under Keras 3, whose dense sum takes other
+messages), the cases whose arithmetic crosses workers (an uneven split, an empty
 replica, and under Keras 3 a divisor summed over the replicas). Each case is checked
 against one device training on the same global batches.
 """
@@ -24,17 +25,18 @@ ONE_MACHINE = [SCRIPT, "--local-replicas", "2", "--mirrored", "--layers"]
 CLUSTER_CASES = ["numpy_97", "dataset_265_final_1", "dataset_batch_1"]
 
 
-def on_2workers_2ps(cases):
-    return on_cluster(SCRIPT, "--cases", ",".join(cases), workers=2, ps=2)
+def on_workers_2ps(cases, workers=2):
+    return on_cluster(SCRIPT, "--cases", ",".join(cases), workers=workers, ps=2)
 
 
 # name -> (arguments after python, Keras flavour, cases)
 SHAPES = {
     "one_machine": (ONE_MACHINE, "keras3", list(batch_sizes.CASES)),
     "tf_keras_one_machine": (ONE_MACHINE, "tf_keras", list(batch_sizes.CASES)),
-    "2workers_2ps": (on_2workers_2ps(CLUSTER_CASES + ["sequence_masked"]), "keras3",
+    "2workers_2ps": (on_workers_2ps(CLUSTER_CASES + ["sequence_masked"]), "keras3",
                      CLUSTER_CASES + ["sequence_masked"]),
-    "tf_keras_2workers_2ps": (on_2workers_2ps(CLUSTER_CASES), "tf_keras", CLUSTER_CASES),
+    "tf_keras_2workers_2ps": (on_workers_2ps(CLUSTER_CASES), "tf_keras", CLUSTER_CASES),
+    "4workers_2ps": (on_workers_2ps(CLUSTER_CASES, workers=4), "keras3", CLUSTER_CASES),
 }
 RUNS = Runs({shape: functools.partial(json_report, arguments, f"batch sizes on {shape}",
                                       flavour, timeout=1800)

@@ -3,8 +3,10 @@
 `tests/dense_grads_scenario.py` trains a GPT-style decoder whose token table is its
 output projection, and a wide & deep click model whose every table is regularized,
 once per shape (two at a time): on one machine with two CPU replicas (beside
-`tf.distribute.MirroredStrategy`), and on a real cluster of 2 workers and 2 ps started
-by the launcher under Keras 3 and under tf_keras; and the regularized model once more
+`tf.distribute.MirroredStrategy`), on a real cluster of 2 workers and 2 ps started
+by the launcher under Keras 3 and under tf_keras, and on 4 workers and 1 ps under
+Keras 3 (whose dense sum takes 3 messages a worker, one swap between neighbours
+among them, where 2 workers swap once); and the regularized model once more
 in tf_keras' mixed_float16 with loss scaling, beside MirroredStrategy. The in-process
 tests below check what no cluster is needed for.
 """
@@ -25,19 +27,20 @@ TOLERANCE = 1e-5
 MOVED = "dense gradient (moved after the first step)"
 TABLES = ["deep_0/embeddings", "deep_1/embeddings", "deep_2/embeddings",
           "wide_0/embeddings", "wide_1/embeddings", "wide_2/embeddings"]
-# name -> (arguments after python, Keras flavour, ps tasks)
+# name -> (arguments after python, Keras flavour, replicas, ps tasks)
 SHAPES = {
-    "one_machine": ([SCRIPT, "--local-replicas", "2"], "keras3", 0),
-    "2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "keras3", 2),
-    "tf_keras_2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "tf_keras", 2),
+    "one_machine": ([SCRIPT, "--local-replicas", "2"], "keras3", 2, 0),
+    "2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "keras3", 2, 2),
+    "tf_keras_2workers_2ps": (on_cluster(SCRIPT, workers=2, ps=2), "tf_keras", 2, 2),
+    "4workers_1ps": (on_cluster(SCRIPT, workers=4, ps=1), "keras3", 4, 1),
 }
 
 
 def shape_report(shape):
-    """(flavour, ps tasks, report) of the scenario on `shape`."""
-    arguments, flavour, num_ps = SHAPES[shape]
-    return flavour, num_ps, json_report(arguments, f"dense_grads_scenario on {shape}",
-                                        flavour, timeout=1800)
+    """(flavour, replicas, ps tasks, report) of the scenario on `shape`."""
+    arguments, flavour, replicas, num_ps = SHAPES[shape]
+    return flavour, replicas, num_ps, json_report(
+        arguments, f"dense_grads_scenario on {shape}", flavour, timeout=1800)
 
 
 RUNS = Runs({**{shape: functools.partial(shape_report, shape) for shape in SHAPES},
@@ -64,14 +67,14 @@ def on_ps(devices, num_ps):
 
 @pytest.mark.parametrize("case", list(scenario.CASES))
 def test_trained_weights_match_single_device(report, case):
-    errors = report[2][case]["vs_single_device"]
+    errors = report[3][case]["vs_single_device"]
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE, (
         f"{case}: {worst} differs from single-device training by {errors[worst]:.2e}")
 
 
 def test_trained_weights_match_mirrored_strategy(request):
-    result = RUNS.result("one_machine", request)[2]
+    result = RUNS.result("one_machine", request)[3]
     # Keras 3 under MirroredStrategy: no Adam (see the scenario).
     compared = {"lm/momentum", "ctr/adagrad_clip", "ctr_norm/adagrad"}
     assert {case for case in result if "vs_mirrored" in result[case]} == compared
@@ -83,7 +86,7 @@ def test_trained_weights_match_mirrored_strategy(request):
 
 
 def test_a_tied_table_moves_to_mirrored_with_its_slots_after_the_first_step(report):
-    flavour, num_ps, result = report
+    flavour, replicas, num_ps, result = report
     case = result["lm/momentum"]
     # Evaluated before and after `fit`: the second evaluation reads the trained table.
     assert case["evaluate_loss"] == pytest.approx(case["reference_loss"], rel=TOLERANCE)
@@ -100,7 +103,7 @@ def test_a_tied_table_moves_to_mirrored_with_its_slots_after_the_first_step(repo
         return
     assert case["placement"]["token/embeddings"] == ["mirrored", MOVED]
     devices = case["devices"]["token/embeddings"]
-    assert len(devices) == 2 and not any("/job:ps/" in d for d in devices)
+    assert len(devices) == replicas and not any("/job:ps/" in d for d in devices)
     assert devices == case["devices"]["ffn/kernel"]
     # Its momentum moved with it; the position table's stays beside its table.
     assert case["slots_on_ps"] and all("position" in slot for slot in case["slots_on_ps"])
@@ -110,7 +113,7 @@ def test_a_tied_table_moves_to_mirrored_with_its_slots_after_the_first_step(repo
 
 @pytest.mark.parametrize("case", ["ctr/adagrad_clip", "ctr/loop"])
 def test_regularized_tables_stay_on_the_ps_with_sparse_gradients(report, case):
-    flavour, num_ps, result = report
+    flavour, _, num_ps, result = report
     result = result[case]
     tables = TABLES + (["hashed/table"] if flavour == "keras3" else [])
     for path in tables:
@@ -136,7 +139,7 @@ def test_loss_scaling_reaches_the_penalties_gradients(mixed_precision):
 
 
 def test_a_regularizer_that_is_not_a_sum_over_rows_warns_and_trains(report):
-    flavour, num_ps, result = report
+    flavour, _, num_ps, result = report
     case = result["ctr_norm/adagrad"]
     warning = case["warnings"][0]
     assert "regularizer of PS table 'deep_0/embeddings' (NormPenalty) is not a sum" in warning

@@ -1,10 +1,11 @@
 """AdamW, Ftrl, MultiOptimizer and a LossScaleOptimizer train a recommender's PS tables.
 
 `tests/optimizer_scenario.py` runs as the chief of a real cluster of 2 workers and
-2 ps (Keras 3, and tf_keras), once per flavour (both at once): each case trains
-the recommender's three tables, split over both ps tasks, and its MLP with
-`model.fit`, and compares every weight and every optimizer slot of the tables with
-single-device training (dense gradients for exact mode, the lazy rule for lazy
+2 ps (Keras 3, and tf_keras), and of 4 workers and 2 ps (Keras 3: among 4 workers
+the dense sum takes 3 messages a worker, between 2 one), two runs at a time: each
+case trains the recommender's three tables, split over both ps tasks, and its MLP
+with `model.fit`, and compares every weight and every optimizer slot of the tables
+with single-device training (dense gradients for exact mode, the lazy rule for lazy
 mode).
 """
 
@@ -20,28 +21,32 @@ SCRIPT = os.path.join(HERE, "optimizer_scenario.py")
 TOLERANCE = 1e-5
 TABLES = ["category/embeddings", "item/embeddings", "user/embeddings"]
 PS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
-WORKERS = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
 CASES = {
     "keras3": ["adamw_exact", "adamw_lazy", "ftrl_exact", "multi_exact",
                "loss_scale_lamb_lazy"],
     "tf_keras": ["adamw_exact", "adamw_lazy", "ftrl_exact"],
 }
+# name -> (Keras flavour, workers)
+SHAPES = {"keras3": ("keras3", 2), "tf_keras": ("tf_keras", 2),
+          "keras3_4workers": ("keras3", 4)}
 
 
-RUNS = Runs({flavour: functools.partial(json_report, on_cluster(SCRIPT, workers=2, ps=2),
-                                        f"optimizer_scenario ({flavour})", flavour)
-             for flavour in CASES})
+RUNS = Runs({shape: functools.partial(json_report, on_cluster(SCRIPT, workers=workers, ps=2),
+                                      f"optimizer_scenario ({shape})", flavour)
+             for shape, (flavour, workers) in SHAPES.items()})
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
+    """(worker devices, {case: report}) of the scenario on shape `request.param`."""
+    flavour, workers = SHAPES[request.param]
     result = RUNS.result(request.param, request)
-    assert sorted(result) == sorted(CASES[request.param])
-    return result
+    assert sorted(result) == sorted(CASES[flavour])
+    return [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(workers)], result
 
 
 def test_tables_and_their_slots_match_single_device_training(report):
-    for name, case in report.items():
+    for name, case in report[1].items():
         errors = case["relative_errors"]
         slots = [p for p in errors if p not in case["devices"]]
         # Adam, AdamW and Ftrl keep two slots per table, Adagrad one, Lamb two.
@@ -53,10 +58,11 @@ def test_tables_and_their_slots_match_single_device_training(report):
             assert case["exact_reference_error"] > 1e-3, name
 
 
-def test_tables_and_slots_on_both_ps_tasks_dense_weights_on_both_workers(report):
-    for name, case in report.items():
+def test_tables_and_slots_on_both_ps_tasks_dense_weights_on_every_worker(report):
+    workers, cases = report
+    for name, case in cases.items():
         for path, devices in case["devices"].items():
-            expected = PS if path in TABLES else WORKERS
+            expected = PS if path in TABLES else workers
             assert sorted(devices) == expected, (name, path, devices)
         assert all(sorted(d) == PS for d in case["slot_devices"].values()), name
         # Each worker's rows are summed on the ps, not all-gathered among workers.
