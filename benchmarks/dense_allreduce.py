@@ -23,16 +23,11 @@ import subprocess
 import sys
 import time
 
+from benchmarks import machine
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # The text model's dense gradients (keras_examples/text_classifier.py, 64-wide table).
 GRADIENT_SHAPES = ((64, 256), (256,), (256, 1), (1,))
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def chief(calls, rounds):
@@ -81,13 +76,13 @@ def chief(calls, rounds):
     cpu = {name: {task: 0.0 for task in pids} for name in ways}
     for _ in range(rounds):
         for name, run in ways.items():
-            before = {task: _cpu_seconds(pid) for task, pid in pids.items()}
+            before = {task: machine.cpu_seconds(pid) for task, pid in pids.items()}
             started = time.perf_counter()
             for _ in range(calls):
                 run().numpy()
             wall[name].append((time.perf_counter() - started) / calls)
             for task, pid in pids.items():
-                cpu[name][task] += _cpu_seconds(pid) - before[task]
+                cpu[name][task] += machine.cpu_seconds(pid) - before[task]
     total_calls = calls * rounds
     report = {
         "replicas": len(devices),

@@ -50,16 +50,9 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 INPUTS = ("files", "one_file", "in_memory")
 GLOBAL_BATCH = 512
 _RESULT_PREFIX = "input_scaling result: "
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # Chief ------------------------------------------------------------------------------
-
-
-def _cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def _read_bytes(pid):
@@ -75,11 +68,11 @@ class Sampler:
         self._cpu = self._read = None
 
     def start(self):
-        self._cpu = [_cpu_seconds(p) for p in self.pids]
+        self._cpu = [machine.cpu_seconds(p) for p in self.pids]
         self._read = [_read_bytes(p) for p in self.pids]
 
     def cpu(self):
-        return [_cpu_seconds(p) - c for p, c in zip(self.pids, self._cpu)]
+        return [machine.cpu_seconds(p) - c for p, c in zip(self.pids, self._cpu)]
 
     def read(self):
         return [_read_bytes(p) - r for p, r in zip(self.pids, self._read)]

@@ -10,6 +10,22 @@ import platform
 import subprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """User + system CPU time process `pid` has used, in seconds.
+
+    Counted in clock ticks (1/SC_CLK_TCK s: 10 ms on Linux). Raises ProcessLookupError
+    if the process is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the command name (which may hold spaces) start at its ")".
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        raise ProcessLookupError(f"process {pid} is gone: no CPU time to read") from None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def describe():

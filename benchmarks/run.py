@@ -124,18 +124,12 @@ def vm_hwm_kib(pid):
     return contenders_lib.vm_hwm_kib(pid)
 
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid):
     """User + system CPU time a process has used, in seconds, or None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            # Fields after the command name (which may hold spaces) start at its ")".
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return machine_lib.cpu_seconds(pid)
+    except ProcessLookupError:
         return None
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 # Bytes per process without namespaces ------------------------------------------------
