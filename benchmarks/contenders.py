@@ -56,13 +56,16 @@ measured window, and adds benchmarks/trace_summary.py's per-step breakdown to th
 At each window boundary every process that trains (the chief, or every MWMS worker)
 writes `<sync_dir>/<phase>.<task>` and waits for `<sync_dir>/<phase>.go`, which the
 harness writes after it has read the network counters: nothing runs between the
-counters and the clock.
+counters and the clock. Between them, it rewrites `<sync_dir>/step.<task>` (the number
+of the last step done) at most once a second, so that the harness tells a run whose
+steps stopped from a slow one.
 """
 
 import ast
 import dataclasses
 import importlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -241,6 +244,19 @@ def handshake(sync_dir, phase, task, timeout=_HANDSHAKE_TIMEOUT):
         time.sleep(0.002)
 
 
+_HEARTBEAT_SECONDS = 1.0
+
+
+def heartbeat(sync_dir, task, step):
+    """Tells the harness `task` has done step `step` (read by benchmarks.run.stalled)."""
+    if not sync_dir:
+        return
+    path = os.path.join(sync_dir, f"step.{task}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(path + ".tmp", path)
+
+
 def make_timer(keras, spec, asynchronous, profiler=None):
     """A Keras callback timing the measured steps and marking the window's boundaries
     (and tracing them with `profiler`, a Profiler, if given)."""
@@ -254,6 +270,7 @@ def make_timer(keras, spec, asynchronous, profiler=None):
             self.step_times, self.start, self.end = [], None, None
             self.first_call = [None, None]  # the first call traces the step
             self.last_logs, self._last = {}, None
+            self._beat = -math.inf
             self.measuring = False
             self.warmup = spec["warmup"]
             self.last_step = spec["warmup"] + spec["steps"] - 1
@@ -280,6 +297,10 @@ def make_timer(keras, spec, asynchronous, profiler=None):
                 self._begin()
 
         def on_train_batch_end(self, batch, logs=None):
+            now = time.monotonic()
+            if now - self._beat >= _HEARTBEAT_SECONDS:
+                heartbeat(spec.get("sync_dir"), spec["task"], batch)
+                self._beat = now
             if asynchronous:
                 return
             if self.first_call[1] is None:

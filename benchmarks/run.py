@@ -37,7 +37,9 @@ bytes sent + received per worker per step beside the lower bound of benchmarks/l
 per-task bytes, CPU time and peak RSS) and writes everything to a JSON file (default:
 benchmarks/results/<model>-w<W>-p<P>-<network>.json), which benchmarks/report.py turns into
 benchmarks/results/README.md and plots. A contender that fails is reported with the tail
-of its output; the others still run. `--cleanup` removes leftover namespaces (hsb-*).
+of its output; the others still run. One that hangs fails after `--timeout` in all, or
+sooner, `--stall-timeout` seconds after its last step (its trainers report their steps
+at most once a second). `--cleanup` removes leftover namespaces (hsb-*).
 """
 
 import argparse
@@ -69,6 +71,7 @@ HOROVOD_NOTE = ("not run: Horovod 0.28.1 does not build against TF 2.21 without 
 QUICK = {"steps": 10, "warmup": 3}
 PROFILE_ATTEMPTS = 3  # a profiled contender is run again when a task crashed
 _POLL = 0.005               # seconds between looks at the phase markers
+STALL_TIMEOUT = 300.0       # default --stall-timeout
 _SERVER_START_TIMEOUT = 180.0
 _STOP_GRACE = 5.0
 _PR_SET_PDEATHSIG = 1
@@ -130,6 +133,24 @@ def cpu_seconds(pid):
         return machine_lib.cpu_seconds(pid)
     except ProcessLookupError:
         return None
+
+
+def stalled(sync_dir, tasks, limit, now=None):
+    """(task, seconds since its last step, that step) for the first of `tasks` whose
+    trainer has reported a step (contenders.heartbeat) but none in the last `limit`
+    seconds; None if there is none."""
+    now = time.time() if now is None else now
+    for task in tasks:
+        path = os.path.join(sync_dir, f"step.{task}")
+        try:
+            seconds = now - os.path.getmtime(path)
+            with open(path) as f:
+                batch = f.read()
+        except FileNotFoundError:
+            continue
+        if seconds > limit:
+            return task, seconds, batch
+    return None
 
 
 # Bytes per process without namespaces ------------------------------------------------
@@ -348,9 +369,11 @@ class ContenderRun:
             self._spawn(task, [sys.executable, "-m", self.TRAINER, spec_path], _environ(extra))
 
     def _follow(self, started):
-        """Answers the phase markers and waits for the trainers; bounded by --timeout."""
+        """Answers the phase markers and waits for the trainers; bounded by --timeout, and
+        by --stall-timeout once a trainer has done a step."""
         deadline = started + self.options.timeout
         pending = ["start", "end"]
+        next_stall_check = time.monotonic()
         while True:
             for phase in list(pending[:1]):
                 marks = [os.path.join(self.sync_dir, f"{phase}.{t.name}") for t in self.trainers]
@@ -375,6 +398,17 @@ class ContenderRun:
                                        f"{task.process.returncode} during training")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not done after --timeout {self.options.timeout:.0f} s")
+            if time.monotonic() >= next_stall_check:
+                next_stall_check = time.monotonic() + 1.0
+                stall = stalled(self.sync_dir, [t.name for t in self.trainers],
+                                self.options.stall_timeout)
+                if stall:
+                    name, seconds, batch = stall
+                    task = next(t for t in self.trainers if t.name == name)
+                    raise TimeoutError(
+                        f"{name} did no step in {seconds:.0f} s (--stall-timeout "
+                        f"{self.options.stall_timeout:.0f}; its last was batch {batch}); its "
+                        f"last output:\n{task.log_tail()}")
             time.sleep(_POLL)
 
     def _sample(self, phase):
@@ -581,6 +615,9 @@ def parse(argv):
                         "the run of median throughput (all throughputs are kept)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds one contender may take, start-up included")
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT,
+                        help="seconds a contender may go without a step once it has done "
+                        "one (a hung cluster fails this soon, not after --timeout)")
     parser.add_argument("--cleanup", action="store_true",
                         help="remove leftover namespaces (hsb-*) and exit")
     parser.add_argument("--profile", action="store_true",
@@ -626,6 +663,8 @@ def parse(argv):
                      "of scheduled steps; leave it out")
     if options.link_gbit is not None and options.link_gbit <= 0:
         parser.error("--link-gbit must be positive")
+    if options.stall_timeout <= 0:
+        parser.error("--stall-timeout must be positive")
     if options.profile_ms < 100:
         parser.error("--profile-ms must be at least 100")
     if options.json and len(options.models) > 1:
@@ -737,10 +776,11 @@ def run_contender(contender, options, mode, workdir, bound, model, round_index=0
     label = f"{contender}" + (f" (round {round_index + 1}/{options.repeats})"
                               if options.repeats > 1 else "")
     print(f"[{model}] {label} ...", file=sys.stderr, flush=True)
-    for attempt in range(1, (PROFILE_ATTEMPTS if options.profile else 1) + 1):
+    attempts = PROFILE_ATTEMPTS if options.profile else 1
+    for attempt in range(1, attempts + 1):
         result = ContenderRun(contender, options, mode, workdir,
                               f"{round_index}-{attempt}").run()
-        if result["status"] == "ok" or attempt == PROFILE_ATTEMPTS:
+        if result["status"] == "ok" or attempt == attempts:
             break
         # TF 2.21's profiler now and then crashes the worker it traces.
         print(f"[{model}] {contender}: profiled run failed ({result['error']}); "

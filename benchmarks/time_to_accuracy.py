@@ -177,6 +177,8 @@ def make_progress(trainer, spec, target, evaluate):
             if self._everyone_stops(outcome is not None):
                 self.outcome = outcome or "stopped by another worker"
                 self.model.stop_training = True
+            contenders_lib.heartbeat(spec.get("sync_dir"), spec["task"],
+                                     (epoch + 1) * spec["eval_every"] - 1)
             self.excluded += time.perf_counter() - paused
 
         def _everyone_stops(self, stop):
@@ -355,6 +357,7 @@ def configure(options, model):
     # Generous: setup, tracing and validations come on top of the training time.
     options.max_evaluations = int(options.time_limit * 100 / options.eval_every) + 1
     options.timeout = 3 * options.time_limit + 600
+    options.stall_timeout = run_lib.STALL_TIMEOUT  # between validations, not steps
 
 
 def run_model(options, model, mode, why, argv):

@@ -267,6 +267,22 @@ def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
     assert "| hybrid |" in done.stdout and "horovod" in done.stdout
 
 
+def test_a_trainer_without_a_step_past_the_stall_timeout_is_named(tmp_path):
+    from benchmarks import contenders
+    from benchmarks import run as run_lib
+
+    sync_dir = str(tmp_path)
+    contenders.heartbeat(sync_dir, "chief", 41)
+    contenders.heartbeat(sync_dir, "worker0", 7)
+    now = time.time()
+    os.utime(tmp_path / "step.worker0", (now - 400, now - 400))
+    tasks = ["chief", "worker0", "worker1"]  # worker1 has done no step yet: not judged
+    name, seconds, batch = run_lib.stalled(sync_dir, tasks, 300, now)
+    assert (name, batch) == ("worker0", "7") and seconds == pytest.approx(400, abs=1)
+    assert run_lib.stalled(sync_dir, tasks, 500, now) is None
+    assert run_lib.stalled(sync_dir, ["chief", "worker1"], 300, now) is None
+
+
 # Scaling ------------------------------------------------------------------------------
 
 
