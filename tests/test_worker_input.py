@@ -2,8 +2,8 @@
 
 One cluster of 2 workers + 1 ps runs every case under Keras 3, another, at the same
 time, the cases of arrays, in-memory datasets and per-worker input functions under
-tf_keras; the tests
-read their reports. Examples are counted where the workers process them (a log each
+tf_keras, and a third, of 4 workers, the cases of files and in-memory datasets under
+Keras 3; the tests read their reports. Examples are counted where the workers process them (a log each
 dataset's map writes), and training is compared with one device on the same global
 batches.
 """
@@ -22,22 +22,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "input_scenario.py")
 TOLERANCE = 1e-5
 ROWS = 200
-TF_KERAS_CASES = "one_file,in_memory,function,numpy"
+# name -> (Keras flavour, the scenario's arguments, workers)
+RUN_SHAPES = {"keras3": ("keras3", (), 2),
+              "tf_keras": ("tf_keras", ("one_file,in_memory,function,numpy",), 2),
+              "keras3_4workers": ("keras3", ("files,one_file,in_memory",), 4)}
 
 
 BOTH = pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
 KERAS3 = pytest.mark.parametrize("flavour", ["keras3"])
+# Cases whose reading depends on the number of workers: also on 4.
+WORKERS = pytest.mark.parametrize("flavour", ["keras3", "keras3_4workers"])
+BOTH_AND_WORKERS = pytest.mark.parametrize("flavour", list(RUN_SHAPES))
 
 
-RUNS = Runs({flavour: functools.partial(
-    json_report, on_cluster(SCENARIO, *cases), f"input scenario ({flavour})", flavour)
-    for flavour, cases in (("keras3", ()), ("tf_keras", (TF_KERAS_CASES,)))})
+RUNS = Runs({name: functools.partial(
+    json_report, on_cluster(SCENARIO, *arguments, workers=workers),
+    f"input scenario ({name})", flavour)
+    for name, (flavour, arguments, workers) in RUN_SHAPES.items()})
 
 
 @pytest.fixture(scope="module")
 def case(request):
-    """`case(flavour, name)`: that case's report; one cluster run per flavour."""
-    return lambda flavour, name: RUNS.result(flavour, request)[name]
+    """`case(run, name)`: that case's report (or "workers": how many read); one cluster
+    run per run of RUN_SHAPES."""
+    return lambda run, name: RUNS.result(run, request)[name]
 
 
 def uses(ids):
@@ -45,22 +53,22 @@ def uses(ids):
     return collections.Counter(collections.Counter(ids).values())
 
 
-@KERAS3
+@WORKERS
 def test_files_are_read_once_per_epoch_with_nothing_read_and_dropped(case, flavour):
     files = case(flavour, "files")
-    # 8 files on 2 workers: each record parsed exactly once in the epoch (no batch read
-    # to build the model), and each validation record once.
+    # 8 files on 2 or 4 workers: each record parsed exactly once in the epoch (no batch
+    # read to build the model), and each validation record once.
     assert uses(files["parsed"]) == {1: files["records"]}
     assert uses(files["validation_parsed"]) == {1: files["validation_records"]}
 
 
-@BOTH
+@BOTH_AND_WORKERS
 def test_one_file_is_sharded_by_example_after_a_notice_and_trains_exactly(case, flavour):
     one_file = case(flavour, "one_file")
     assert uses(one_file["parsed"]) == {1: ROWS}
     assert one_file["relative_error"] <= TOLERANCE
     (notice,) = one_file["notices"]   # once, for two datasets read from one file
-    assert "reads 1 file(s), fewer than the 2 workers" in notice
+    assert f"reads 1 file(s), fewer than the {case(flavour, 'workers')} workers" in notice
 
 
 @KERAS3
@@ -71,7 +79,7 @@ def test_file_policy_with_too_few_files_is_refused_before_training(case, flavour
     assert refused["weights_unchanged"] and refused["parsed"] == []
 
 
-@BOTH
+@BOTH_AND_WORKERS
 def test_in_memory_dataset_each_worker_maps_only_its_examples(case, flavour):
     in_memory = case(flavour, "in_memory")
     assert uses(in_memory["mapped"]) == {1: ROWS}
