@@ -228,14 +228,19 @@ def make_strategy(contender, num_ps):
 # Phase boundaries ---------------------------------------------------------------
 
 
+def _mark(sync_dir, name, text):
+    """Writes `<sync_dir>/<name>` whole (the harness never reads half a file)."""
+    path = os.path.join(sync_dir, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def handshake(sync_dir, phase, task, timeout=_HANDSHAKE_TIMEOUT):
     """Tells the harness this process reached `phase`; waits until it has read counters."""
     if not sync_dir:
         return
-    path = os.path.join(sync_dir, f"{phase}.{task}")
-    with open(path + ".tmp", "w") as f:
-        f.write(repr(time.time()))
-    os.replace(path + ".tmp", path)
+    _mark(sync_dir, f"{phase}.{task}", repr(time.time()))
     go = os.path.join(sync_dir, f"{phase}.go")
     deadline = time.monotonic() + timeout
     while not os.path.exists(go):
@@ -249,12 +254,8 @@ _HEARTBEAT_SECONDS = 1.0
 
 def heartbeat(sync_dir, task, step):
     """Tells the harness `task` has done step `step` (read by benchmarks.run.stalled)."""
-    if not sync_dir:
-        return
-    path = os.path.join(sync_dir, f"step.{task}")
-    with open(path + ".tmp", "w") as f:
-        f.write(str(step))
-    os.replace(path + ".tmp", path)
+    if sync_dir:
+        _mark(sync_dir, f"step.{task}", str(step))
 
 
 def make_timer(keras, spec, asynchronous, profiler=None):
