@@ -3,9 +3,9 @@
 One cluster of 2 workers + 1 ps runs every case under Keras 3, another, at the same
 time, the cases of arrays, in-memory datasets and per-worker input functions under
 tf_keras, and a third, of 4 workers, the cases of files and in-memory datasets under
-Keras 3; the tests read their reports. Examples are counted where the workers process them (a log each
-dataset's map writes), and training is compared with one device on the same global
-batches.
+Keras 3; the tests read their reports. Examples are counted where the workers process
+them (a log each dataset's map writes), and training is compared with one device on
+the same global batches.
 """
 
 import collections
@@ -43,8 +43,7 @@ RUNS = Runs({name: functools.partial(
 
 @pytest.fixture(scope="module")
 def case(request):
-    """`case(run, name)`: that case's report (or "workers": how many read); one cluster
-    run per run of RUN_SHAPES."""
+    """`case(run, name)`: that case's report; one cluster run per run of RUN_SHAPES."""
     return lambda run, name: RUNS.result(run, request)[name]
 
 
@@ -68,7 +67,8 @@ def test_one_file_is_sharded_by_example_after_a_notice_and_trains_exactly(case, 
     assert uses(one_file["parsed"]) == {1: ROWS}
     assert one_file["relative_error"] <= TOLERANCE
     (notice,) = one_file["notices"]   # once, for two datasets read from one file
-    assert f"reads 1 file(s), fewer than the {case(flavour, 'workers')} workers" in notice
+    workers = RUN_SHAPES[flavour][2]
+    assert f"reads 1 file(s), fewer than the {workers} workers" in notice
 
 
 @KERAS3
