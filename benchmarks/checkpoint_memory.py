@@ -175,10 +175,7 @@ def measure(size_mib, version, code_dir, apis, timeout, attempts=2):
 
 
 def _measure_once(size_mib, version, code_dir, apis, timeout):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    # The package under test first, then this checkout for `benchmarks`.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH")) if p)
+    env = machine.environment(code_dir)
     with tempfile.TemporaryDirectory(prefix="checkpoint_memory_") as directory:
         command = chief_command(size_mib, directory, apis)
         shown = shlex.join(chief_command(size_mib, "DIR", apis))

@@ -92,14 +92,10 @@ def run(command, code_dir, prefix, timeout):
     The result is the JSON after `prefix` on the last line that starts with it; on
     failure it is None and the error is the last line of the output that names one.
     """
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
-    # The package under test first, then this checkout for `benchmarks`, `keras_examples`.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH"))
-                                        if p)
     # `python -m` puts the working directory first on sys.path: the package under test.
-    done = subprocess.run(command, env=env, cwd=code_dir, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    done = subprocess.run(command, env=machine.environment(code_dir), cwd=code_dir,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
     output = done.stdout.splitlines()
     lines = [line for line in output if line.startswith(prefix)]
     if done.returncode == 0 and lines:

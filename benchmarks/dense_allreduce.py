@@ -69,9 +69,7 @@ def chief(calls, rounds):
     ways = {"per worker first": reduction(type(extended)._batch_reduce_to),
             "one ring": reduction(mirrored_strategy.MirroredExtended._batch_reduce_to)}
     results = {name: run().numpy().tolist() for name, run in ways.items()}  # traces
-    pids = {"chief": os.getpid()}
-    servers = os.environ["HYBRID_STRATEGY_SERVER_PIDS"].split(",")
-    pids.update({f"worker{i}": int(pid) for i, pid in enumerate(servers)})
+    pids = dict(chief=os.getpid(), **machine.server_pids())
     wall = {name: [] for name in ways}
     cpu = {name: {task: 0.0 for task in pids} for name in ways}
     for _ in range(rounds):
@@ -102,9 +100,7 @@ def run_shape(workers, devices, options):
             sys.executable, "-m", "benchmarks.dense_allreduce", "--chief",
             "--calls", str(options.calls), "--rounds", str(options.rounds)]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (repo, os.environ.get("PYTHONPATH")) if p), TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CONFIG", None)
+    env = machine.environment()
     print(f"[dense_allreduce] {workers}x{devices}", file=sys.stderr, flush=True)
     done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True,
                           timeout=options.timeout)

@@ -3,6 +3,8 @@
     from benchmarks import machine
     host = machine.describe()   # read before the runs: the load average is "before"
     code = machine.code_version()
+    env = machine.environment()  # for a benchmark's subprocess
+    pids = machine.server_pids()  # in a launched chief: {"worker0": pid, ...}
 """
 
 import os
@@ -26,6 +28,35 @@ def cpu_seconds(pid):
     except FileNotFoundError:
         raise ProcessLookupError(f"process {pid} is gone: no CPU time to read") from None
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def environment(code_dir=REPO):
+    """This process's environment for a benchmark's subprocess: no TF_CONFIG, TensorFlow's
+    info logs off, the `hybrid_strategy` package of `code_dir` first on the path, then
+    this checkout's (for `benchmarks` and `keras_examples`)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, REPO, env.get("PYTHONPATH"))
+                                        if p)
+    return env
+
+
+def server_pids():
+    """{"worker0": pid, ..., "ps0": pid}: the servers of the cluster whose chief this is.
+
+    Read in a chief started by `python -m hybrid_strategy.launch`, from its TF_CONFIG and
+    HYBRID_STRATEGY_SERVER_PIDS (the launcher starts and lists them in task order).
+    """
+    from hybrid_strategy import cluster  # pylint: disable=import-outside-toplevel
+    from hybrid_strategy import launch  # pylint: disable=import-outside-toplevel
+
+    tasks = [f"{job}{index}" for job, index, _ in cluster.from_environment().tasks()
+             if job != "chief"]
+    pids = [int(p) for p in os.environ[launch.SERVER_PIDS_ENV].split(",")]
+    if len(pids) != len(tasks):
+        raise RuntimeError(f"{launch.SERVER_PIDS_ENV} lists {len(pids)} processes where "
+                           f"TF_CONFIG names {len(tasks)} servers ({', '.join(tasks)})")
+    return dict(zip(tasks, pids))
 
 
 def describe():
