@@ -479,6 +479,10 @@ def readme(runs, images):
              "same data: time, steps and examples to it, curves against time): "
              "[time_to_accuracy.md](time_to_accuracy.md), from `python -m "
              "benchmarks.time_to_accuracy`, whose runs are kept in `time_to_accuracy/`.",
+             "- **A step with no model** (the CPU a synchronous step's transfers cost all "
+             "tasks at W workers, sized after the recommender, against the hybrid and one "
+             "process training it): [step_floor.md](step_floor.md), from `python -m "
+             "benchmarks.step_floor`.",
              ""]
     rows = targets(runs)
     if rows:
