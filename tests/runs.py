@@ -55,9 +55,11 @@ FAULTY_CHIEF = SMALL_CHIEF + textwrap.dedent("""
 """)
 
 
-def on_cluster(script, *args, workers=2, ps=1):
-    """The arguments after `python` that run `script` as the chief of a local cluster."""
-    return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps), "--",
+def on_cluster(script, *args, workers=2, ps=1, devices_per_worker=1):
+    """The arguments after `python` that run `script` as the chief of a local cluster
+    (each worker with `devices_per_worker` CPU replicas)."""
+    return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps),
+            "--devices-per-worker", str(devices_per_worker), "--",
             sys.executable, script, *args]
 
 

@@ -3,10 +3,11 @@
 `tests/batch_sizes.py` runs once per shape (two shapes at a time): on one machine
 with two CPU replicas, every case, beside tf.distribute.MirroredStrategy on the same
 replicas, under Keras 3 and tf_keras; on a real cluster of 2 workers and 2 ps started
-by the launcher (and of 4 workers under Keras 3, whose dense sum takes other
-messages), the cases whose arithmetic crosses workers (an uneven split, an empty
-replica, and under Keras 3 a divisor summed over the replicas). Each case is checked
-against one device training on the same global batches.
+by the launcher (and under Keras 3 of 4 workers, whose dense sum takes other messages,
+and of 4 workers of 2 CPU replicas each, whose replicas are summed on their worker
+first), the cases whose arithmetic crosses workers (an uneven split, an empty replica,
+and under Keras 3 a divisor summed over the replicas). Each case is checked against one
+device training on the same global batches.
 """
 
 import functools
@@ -25,8 +26,9 @@ ONE_MACHINE = [SCRIPT, "--local-replicas", "2", "--mirrored", "--layers"]
 CLUSTER_CASES = ["numpy_97", "dataset_265_final_1", "dataset_batch_1"]
 
 
-def on_workers_2ps(cases, workers=2):
-    return on_cluster(SCRIPT, "--cases", ",".join(cases), workers=workers, ps=2)
+def on_workers_2ps(cases, workers=2, devices_per_worker=1):
+    return on_cluster(SCRIPT, "--cases", ",".join(cases), workers=workers, ps=2,
+                      devices_per_worker=devices_per_worker)
 
 
 # name -> (arguments after python, Keras flavour, cases)
@@ -37,7 +39,13 @@ SHAPES = {
                      CLUSTER_CASES + ["sequence_masked"]),
     "tf_keras_2workers_2ps": (on_workers_2ps(CLUSTER_CASES), "tf_keras", CLUSTER_CASES),
     "4workers_2ps": (on_workers_2ps(CLUSTER_CASES, workers=4), "keras3", CLUSTER_CASES),
+    "4workers_of_2_replicas_2ps": (on_workers_2ps(CLUSTER_CASES, workers=4,
+                                                  devices_per_worker=2),
+                                   "keras3", CLUSTER_CASES),
 }
+# Replicas in sync of each shape on a cluster: every worker's CPU devices.
+CLUSTER_REPLICAS = {"2workers_2ps": 2, "tf_keras_2workers_2ps": 2, "4workers_2ps": 4,
+                    "4workers_of_2_replicas_2ps": 8}
 RUNS = Runs({shape: functools.partial(json_report, arguments, f"batch sizes on {shape}",
                                       flavour, timeout=1800)
              for shape, (arguments, flavour, _) in SHAPES.items()})
@@ -59,6 +67,11 @@ def assert_close(errors, what):
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE, (
         f"{what}: {worst} differs from one device by {errors[worst]:.2e} (relative)")
+
+
+@pytest.mark.parametrize("shape", list(CLUSTER_REPLICAS))
+def test_each_cluster_shape_trains_on_all_its_replicas(run_shape, shape):
+    assert run_shape(shape)["replicas"] == CLUSTER_REPLICAS[shape]
 
 
 @pytest.mark.parametrize("shape, case", list(shape_cases()))
