@@ -2,11 +2,12 @@
 
 `tests/optimizer_scenario.py` runs as the chief of a real cluster of 2 workers and
 2 ps (Keras 3, and tf_keras), and of 4 workers and 2 ps (Keras 3: among 4 workers
-the dense sum takes 3 messages a worker, between 2 one), two runs at a time: each
-case trains the recommender's three tables, split over both ps tasks, and its MLP
-with `model.fit`, and compares every weight and every optimizer slot of the tables
-with single-device training (dense gradients for exact mode, the lazy rule for lazy
-mode).
+the dense sum takes 3 messages a worker, between 2 one), with one CPU replica per
+worker and with two (each worker's rows and sums gathered on it first), two runs at a
+time: each case trains the recommender's three tables, split over both ps tasks, and
+its MLP with `model.fit`, and compares every weight and every optimizer slot of the
+tables with single-device training (dense gradients for exact mode, the lazy rule for
+lazy mode).
 """
 
 import functools
@@ -26,23 +27,25 @@ CASES = {
                "loss_scale_lamb_lazy"],
     "tf_keras": ["adamw_exact", "adamw_lazy", "ftrl_exact"],
 }
-# name -> (Keras flavour, workers)
-SHAPES = {"keras3": ("keras3", 2), "tf_keras": ("tf_keras", 2),
-          "keras3_4workers": ("keras3", 4)}
+# name -> (Keras flavour, workers, CPU replicas per worker)
+SHAPES = {"keras3": ("keras3", 2, 1), "tf_keras": ("tf_keras", 2, 1),
+          "keras3_4workers": ("keras3", 4, 1), "keras3_4workers_of_2_replicas": ("keras3", 4, 2)}
 
 
-RUNS = Runs({shape: functools.partial(json_report, on_cluster(SCRIPT, workers=workers, ps=2),
-                                      f"optimizer_scenario ({shape})", flavour)
-             for shape, (flavour, workers) in SHAPES.items()})
+RUNS = Runs({shape: functools.partial(
+    json_report, on_cluster(SCRIPT, workers=workers, ps=2, devices_per_worker=devices),
+    f"optimizer_scenario ({shape})", flavour)
+    for shape, (flavour, workers, devices) in SHAPES.items()})
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
-    """(worker devices, {case: report}) of the scenario on shape `request.param`."""
-    flavour, workers = SHAPES[request.param]
+    """(replica devices, {case: report}) of the scenario on shape `request.param`."""
+    flavour, workers, devices = SHAPES[request.param]
     result = RUNS.result(request.param, request)
     assert sorted(result) == sorted(CASES[flavour])
-    return [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(workers)], result
+    return [f"/job:worker/replica:0/task:{i}/device:CPU:{d}"
+            for i in range(workers) for d in range(devices)], result
 
 
 def test_tables_and_their_slots_match_single_device_training(report):
@@ -59,10 +62,10 @@ def test_tables_and_their_slots_match_single_device_training(report):
 
 
 def test_tables_and_slots_on_both_ps_tasks_dense_weights_on_every_worker(report):
-    workers, cases = report
+    replicas, cases = report
     for name, case in cases.items():
         for path, devices in case["devices"].items():
-            expected = PS if path in TABLES else workers
+            expected = PS if path in TABLES else replicas
             assert sorted(devices) == expected, (name, path, devices)
         assert all(sorted(d) == PS for d in case["slot_devices"].values()), name
         # Each worker's rows are summed on the ps, not all-gathered among workers.
