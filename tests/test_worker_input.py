@@ -2,10 +2,10 @@
 
 One cluster of 2 workers + 1 ps runs every case under Keras 3, another, at the same
 time, the cases of arrays, in-memory datasets and per-worker input functions under
-tf_keras, and a third, of 4 workers, the cases of files and in-memory datasets under
-Keras 3; the tests read their reports. Examples are counted where the workers process
-them (a log each dataset's map writes), and training is compared with one device on
-the same global batches.
+tf_keras, and two more, of 4 workers with one CPU replica each and with two, the cases
+of files and in-memory datasets under Keras 3; the tests read their reports. Examples
+are counted where the workers process them (a log each dataset's map writes), and
+training is compared with one device on the same global batches.
 """
 
 import collections
@@ -22,23 +22,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "input_scenario.py")
 TOLERANCE = 1e-5
 ROWS = 200
-# name -> (Keras flavour, the scenario's arguments, workers)
-RUN_SHAPES = {"keras3": ("keras3", (), 2),
-              "tf_keras": ("tf_keras", ("one_file,in_memory,function,numpy",), 2),
-              "keras3_4workers": ("keras3", ("files,one_file,in_memory",), 4)}
+# name -> (Keras flavour, the scenario's arguments, workers, CPU replicas per worker)
+RUN_SHAPES = {"keras3": ("keras3", (), 2, 1),
+              "tf_keras": ("tf_keras", ("one_file,in_memory,function,numpy",), 2, 1),
+              "keras3_4workers": ("keras3", ("files,one_file,in_memory",), 4, 1),
+              "keras3_4workers_of_2_replicas": ("keras3", ("files,one_file,in_memory",), 4, 2)}
 
 
 BOTH = pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
 KERAS3 = pytest.mark.parametrize("flavour", ["keras3"])
 # Cases whose reading depends on the number of workers: also on 4.
-WORKERS = pytest.mark.parametrize("flavour", ["keras3", "keras3_4workers"])
+WORKERS = pytest.mark.parametrize(
+    "flavour", ["keras3", "keras3_4workers", "keras3_4workers_of_2_replicas"])
 BOTH_AND_WORKERS = pytest.mark.parametrize("flavour", list(RUN_SHAPES))
 
 
 RUNS = Runs({name: functools.partial(
-    json_report, on_cluster(SCENARIO, *arguments, workers=workers),
+    json_report, on_cluster(SCENARIO, *arguments, workers=workers,
+                            devices_per_worker=devices),
     f"input scenario ({name})", flavour)
-    for name, (flavour, arguments, workers) in RUN_SHAPES.items()})
+    for name, (flavour, arguments, workers, devices) in RUN_SHAPES.items()})
 
 
 @pytest.fixture(scope="module")
