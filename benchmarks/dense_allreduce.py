@@ -21,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from benchmarks import machine
 
@@ -70,26 +69,16 @@ def chief(calls, rounds):
             "one ring": reduction(mirrored_strategy.MirroredExtended._batch_reduce_to)}
     results = {name: run().numpy().tolist() for name, run in ways.items()}  # traces
     pids = dict(chief=os.getpid(), **machine.server_pids())
-    wall = {name: [] for name in ways}
-    cpu = {name: {task: 0.0 for task in pids} for name in ways}
-    for _ in range(rounds):
-        for name, run in ways.items():
-            before = {task: machine.cpu_seconds(pid) for task, pid in pids.items()}
-            started = time.perf_counter()
-            for _ in range(calls):
-                run().numpy()
-            wall[name].append((time.perf_counter() - started) / calls)
-            for task, pid in pids.items():
-                cpu[name][task] += machine.cpu_seconds(pid) - before[task]
-    total_calls = calls * rounds
+    timed = machine.alternate({name: lambda run=run: run().numpy() for name, run in ways.items()},
+                              pids, calls, rounds)
     report = {
         "replicas": len(devices),
         "same_sums": results["per worker first"] == results["one ring"],
         "ways": {name: {
-            "wall_ms_per_call": statistics.median(wall[name]) * 1000,
-            "wall_ms_per_block": [w * 1000 for w in wall[name]],
-            "cpu_ms_per_call": {task: s * 1000 / total_calls for task, s in cpu[name].items()},
-        } for name in ways},
+            "wall_ms_per_call": statistics.median(way["wall_s_per_call"]) * 1000,
+            "wall_ms_per_block": [w * 1000 for w in way["wall_s_per_call"]],
+            "cpu_ms_per_call": {task: s * 1000 for task, s in way["cpu_s_per_call"].items()},
+        } for name, way in timed.items()},
     }
     print(json.dumps(report), flush=True)
 

@@ -5,11 +5,13 @@
     code = machine.code_version()
     env = machine.environment()  # for a benchmark's subprocess
     pids = machine.server_pids()  # in a launched chief: {"worker0": pid, ...}
+    timed = machine.alternate({"a": a, "b": b}, pids, calls=20, rounds=5)
 """
 
 import os
 import platform
 import subprocess
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -28,6 +30,35 @@ def cpu_seconds(pid):
     except FileNotFoundError:
         raise ProcessLookupError(f"process {pid} is gone: no CPU time to read") from None
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def alternate(functions, pids, calls, rounds, wait=None):
+    """Times `functions` ({name: f}) in `rounds` rounds of one block of `calls` calls of
+    each, in turn, so that load from elsewhere falls on all of them alike.
+
+    `wait(result)`, if given, takes each block's last result (e.g. `float` of a traced
+    function's output), so the block ends when all its calls have. Returns {name:
+    {"wall_s_per_call": [one per block], "cpu_s_per_call": {task: over all blocks}}},
+    the CPU time being each process's of `pids` ({task: pid}).
+    """
+    wall = {name: [] for name in functions}
+    cpu = {name: {task: 0.0 for task in pids} for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            before = {task: cpu_seconds(pid) for task, pid in pids.items()}
+            started = time.perf_counter()
+            for _ in range(calls - 1):
+                function()
+            last = function()
+            if wait:
+                wait(last)
+            wall[name].append((time.perf_counter() - started) / calls)
+            for task, pid in pids.items():
+                cpu[name][task] += cpu_seconds(pid) - before[task]
+    return {name: {"wall_s_per_call": wall[name],
+                   "cpu_s_per_call": {task: s / (calls * rounds)
+                                      for task, s in cpu[name].items()}}
+            for name in functions}
 
 
 def environment(code_dir=REPO):

@@ -32,10 +32,10 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from benchmarks import chief_runs
 from benchmarks import machine
@@ -141,33 +141,19 @@ def run_chief(options):
     extended = hybrid_strategy.HybridStrategy().extended
     functions, check = _floor_functions(tf, extended, options.dense_floats,
                                         options.rows, options.width)
-    calls = {name: 0 for name in functions}
-    for name, step in functions.items():  # traces, and runs past the first calls' costs
+    for step in functions.values():  # traces, and runs past the first calls' costs
         for _ in range(options.warmup):
             step()
         float(step())
-        calls[name] += options.warmup + 1
-    pids = dict(machine.server_pids(), chief=os.getpid())
-    wall = {name: 0.0 for name in functions}
-    cpu = {name: {task: 0.0 for task in pids} for name in functions}
-    for _ in range(options.rounds):
-        for name, step in functions.items():
-            before = {task: machine.cpu_seconds(pid) for task, pid in pids.items()}
-            started = time.perf_counter()
-            for _ in range(options.steps - 1):
-                step()
-            float(step())  # waits for the last call, so the block holds all of them
-            wall[name] += time.perf_counter() - started
-            for task, pid in pids.items():
-                cpu[name][task] += machine.cpu_seconds(pid) - before[task]
-            calls[name] += options.steps
-    check(calls)
+    timed = machine.alternate(functions, dict(machine.server_pids(), chief=os.getpid()),
+                              options.steps, options.rounds, wait=float)
     measured = options.steps * options.rounds
+    check({name: options.warmup + 1 + measured for name in functions})
     print(_RESULT_PREFIX + json.dumps({
         "functions": {name: {
-            "wall_ms_per_step": wall[name] * 1000 / measured,
-            "cpu_ms_per_step": {task: s * 1000 / measured for task, s in cpu[name].items()},
-        } for name in functions},
+            "wall_ms_per_step": statistics.mean(f["wall_s_per_call"]) * 1000,
+            "cpu_ms_per_step": {task: s * 1000 for task, s in f["cpu_s_per_call"].items()},
+        } for name, f in timed.items()},
         "steps_per_function": measured}), flush=True)
 
 
