@@ -7,7 +7,7 @@ For every shape WxD (W workers of D CPU replicas), one cluster is started by the
 traces two functions that all-reduce gradients of the text model's dense layers (a
 64 x 256 kernel, its bias, a 256 x 1 kernel and its bias: 67,588 bytes in float32) made
 on every replica: one through HybridStrategy's reduction (summed on each worker's first
-device, a ring of the W sums, copied back: hybrid_strategy/hierarchical_allreduce.py),
+device, a ring of the W sums, copied back: hybrid_strategy/communication/hierarchical_allreduce.py),
 one through TensorFlow's (one RING collective over all W x D replicas, as before). It
 calls them in alternating blocks, so that load from elsewhere falls on both alike, and
 reports per call: the wall time (median over blocks) and the CPU time of the chief and of

@@ -78,8 +78,8 @@ def server_pids():
     Read in a chief started by `python -m hybrid_strategy.launch`, from its TF_CONFIG and
     HYBRID_STRATEGY_SERVER_PIDS (the launcher starts and lists them in task order).
     """
-    from hybrid_strategy import cluster  # pylint: disable=import-outside-toplevel
-    from hybrid_strategy import launch  # pylint: disable=import-outside-toplevel
+    from hybrid_strategy.cluster import config as cluster  # pylint: disable=import-outside-toplevel
+    from hybrid_strategy.cluster import launch  # pylint: disable=import-outside-toplevel
 
     tasks = [f"{job}{index}" for job, index, _ in cluster.from_environment().tasks()
              if job != "chief"]

@@ -250,7 +250,7 @@ class ContenderRun:
     def _addresses(self):
         if self.mode == "netns":
             return {t.name: f"{self.net.address(t.name)}:{PORT}" for t in self.tasks}
-        from hybrid_strategy import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+        from hybrid_strategy.cluster import config as cluster_lib  # pylint: disable=import-outside-toplevel
         ports = set()
         while len(ports) < len(self.tasks):
             ports.add(cluster_lib.free_port("127.0.0.1"))

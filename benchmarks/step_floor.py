@@ -12,7 +12,7 @@ gradients' bytes, and the unique rows one worker's share of the global batch tou
   rows   + each worker sends its row ids to the ps, gets the rows back and sends their
          gradients, which the ps adds to its table: the hybrid's lookup and push;
   sum    + the workers sum their dense gradients as the hybrid does
-         (hybrid_strategy/hierarchical_allreduce.py: 2 log2 W - 1 messages each;
+         (hybrid_strategy/communication/hierarchical_allreduce.py: 2 log2 W - 1 messages each;
          none with one worker).
 
 No layer, loss, optimizer or metric runs: a hybrid training step does all of this and
@@ -62,7 +62,7 @@ def _floor_functions(tf, extended, dense_floats, rows, width):
     and check(calls), which raises unless the variables hold what `calls` ({name: count})
     calls of each function made."""
     # pylint: disable=import-outside-toplevel
-    from hybrid_strategy import hierarchical_allreduce
+    from hybrid_strategy.communication import hierarchical_allreduce
 
     workers, ps = extended.worker_devices, "/job:ps/replica:0/task:0/device:CPU:0"
     count = len(workers)

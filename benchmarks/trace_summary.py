@@ -18,7 +18,7 @@ time per step; a task with two busy threads can show more than the step's wall t
   variable update      optimizer kernels (PS row updates and mirrored variables)
   all-reduce           collective kernels, from start to end, so waiting for peers counts,
                        and resolving each collective's parameters; the dense sum that
-                       workers run in the step's graph (hierarchical_allreduce.py: its
+                       workers run in the step's graph (communication/hierarchical_allreduce.py: its
                        kernels and the tensors they send)
   send/recv            tensors sent between tasks (_Send/_Recv kernels)
   input pipeline       tf.data: the iterator kernels and everything on tf.data's threads
@@ -52,7 +52,7 @@ _COLLECTIVE_TYPE = re.compile(r"^Collective")
 # Resolving a collective's group and instance, and running its steps.
 _COLLECTIVE_EVENT = re.compile(r"^(Base)?Collective(Executor|OpV2Kernel)")
 _TRANSFER_TYPE = re.compile(r"^_?(Host)?(Send|Recv)$")
-# hierarchical_allreduce.py's name scopes for the sum in the step's graph.
+# communication/hierarchical_allreduce.py's name scopes for the sum in the step's graph.
 _IN_GRAPH_SUM = re.compile(r"(^|/)(local_sum|exchange|halving|doubling)(_\d+)?/")
 _UPDATE_TYPE = re.compile(r"^(ResourceApply|ResourceSparseApply|Assign(Add|Sub)?Variable|"
                           r"ResourceScatter)")

@@ -17,19 +17,19 @@ launcher can check their arguments before TensorFlow loads.
 import importlib
 
 _EXPORTS = {
-    "CheckpointStorageError": "hybrid_strategy.checkpointing",
-    "ClusterConfig": "hybrid_strategy.cluster",
-    "ClusterConfigError": "hybrid_strategy.cluster",
-    "EXIT_TASK_LOST": "hybrid_strategy.cluster",
+    "CheckpointStorageError": "hybrid_strategy.tables.checkpointing",
+    "ClusterConfig": "hybrid_strategy.cluster.config",
+    "ClusterConfigError": "hybrid_strategy.cluster.config",
+    "EXIT_TASK_LOST": "hybrid_strategy.cluster.config",
     "data_service_address": "hybrid_strategy.data_service",
-    "TaskUnreachableError": "hybrid_strategy.cluster",
-    "Placement": "hybrid_strategy.placement",
-    "PlacementPlan": "hybrid_strategy.placement",
-    "Shard": "hybrid_strategy.placement",
+    "TaskUnreachableError": "hybrid_strategy.cluster.config",
+    "Placement": "hybrid_strategy.placement.plan",
+    "PlacementPlan": "hybrid_strategy.placement.plan",
+    "Shard": "hybrid_strategy.placement.plan",
     "HybridStrategy": "hybrid_strategy.strategy",
-    "InputShardingWarning": "hybrid_strategy.worker_input",
-    "PlacementWarning": "hybrid_strategy.placement",
-    "UnsupportedOptimizerError": "hybrid_strategy.sparse_optimizers",
+    "InputShardingWarning": "hybrid_strategy.input.worker_input",
+    "PlacementWarning": "hybrid_strategy.placement.plan",
+    "UnsupportedOptimizerError": "hybrid_strategy.tables.sparse_optimizers",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -48,31 +48,25 @@ from tensorflow.python.eager.polymorphic_function import atomic_function
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
-from hybrid_strategy import asynchronous as asynchronous_lib
-from hybrid_strategy import batched_lookups
-from hybrid_strategy import batches
-from hybrid_strategy import checkpointing
-from hybrid_strategy import clipping
-from hybrid_strategy import cluster as cluster_lib
-from hybrid_strategy import communication
-from hybrid_strategy import creation
-from hybrid_strategy import data_service
-from hybrid_strategy import end_of_data
-from hybrid_strategy import hierarchical_allreduce
-from hybrid_strategy import increments
-from hybrid_strategy import keras_input
-from hybrid_strategy import liveness
-from hybrid_strategy import mirrored_reads
-from hybrid_strategy import mirroring
-from hybrid_strategy import multi_step
-from hybrid_strategy import penalties
-from hybrid_strategy import placement as placement_lib
-from hybrid_strategy import service_input
-from hybrid_strategy import side_effects
-from hybrid_strategy import sparse_optimizers
-from hybrid_strategy import table as table_lib
-from hybrid_strategy import wire
-from hybrid_strategy import worker_input
+from hybrid_strategy.asynchronous import training as asynchronous_lib
+from hybrid_strategy.keras_integration import batches
+from hybrid_strategy.keras_integration import install
+from hybrid_strategy.cluster import config as cluster_lib
+from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.placement import creation
+from hybrid_strategy.cluster import data_service
+from hybrid_strategy.communication import hierarchical_allreduce
+from hybrid_strategy.cluster import liveness
+from hybrid_strategy.tables import mirrored_reads
+from hybrid_strategy.placement import mirroring
+from hybrid_strategy.tables import penalties
+from hybrid_strategy.placement import plan as placement_lib
+from hybrid_strategy.input import service_input
+from hybrid_strategy.communication import side_effects
+from hybrid_strategy.tables import sparse_optimizers
+from hybrid_strategy.tables import table as table_lib
+from hybrid_strategy.communication import wire
+from hybrid_strategy.input import worker_input
 
 _LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 _CHIEF_JOB = "chief"
@@ -106,7 +100,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
     `tf.nn.embedding_lookup`) moves to a PS task at its first row read, and a
     Keras 3 table whose gradient turns out dense (a tied output projection)
     moves to mirrored after `fit`'s first step. Regularizers of PS tables are
-    computed on their PS tasks (penalties.py).
+    computed on their PS tasks (tables/penalties.py).
     `placement_overrides` changes that per layer or variable, and
     `strategy.placement` shows the result, by the paths of `model.weights`.
 
@@ -140,7 +134,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             same whatever the table size) or "exact" (every row, identical to
             single-device training with dense gradients). SGD without momentum and
             Adagrad are exact either way; Adafactor and Muon's own update always
-            update the whole table (sparse_optimizers.py).
+            update the whole table (tables/sparse_optimizers.py).
         wire_dtype: The dtype in which rows of PS tables cross between tasks: None
             (default: the table's own) or "bfloat16" (half the bytes of float32).
             Looked-up rows leave the PS and row gradients leave the workers in it,
@@ -160,7 +154,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             None disables the check.
         asynchronous: With architecture "ps": each worker trains on its own
             batches and applies its own updates, without waiting for the other
-            workers, as Parallax's asynchronous PS training (asynchronous.py says
+            workers, as Parallax's asynchronous PS training (asynchronous/training.py says
             what a step and the logs are then). Off by default.
     """
 
@@ -306,7 +300,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.gradient_types = {}
         self.ps_aggregated = set()
         self.step_batch_sizes = None
-        _install_keras_hooks()
+        install.install_all(HybridStrategy)
         side_effects.order_per_task()
 
     @property
@@ -360,7 +354,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "autotuned steps_per_execution); run your own loop in Python, or call "
                 "strategy.run once per traced function.")
         # Keras' losses weight each replica by its share of the global batch, read
-        # while the replicas' steps are traced (batches.py).
+        # while the replicas' steps are traced (keras_integration/batches.py).
         self.step_batch_sizes = batches.replica_batch_sizes(
             args, kwargs, self._num_replicas_in_sync)
         try:
@@ -383,7 +377,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 self._container_strategy(), self.worker_scope, dataset, options,
                 functools.partial(super()._experimental_distribute_dataset, dataset,
                                   options))
-        # Each worker builds only its own batches (worker_input.py).
+        # Each worker builds only its own batches (input/worker_input.py).
         return worker_input.distribute_dataset(
             self, dataset, options, self._tensorflow_distribute)
 
@@ -596,7 +590,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         return super()._update(var, fn, args, kwargs, group)
 
     def _update_table(self, table, fn, args, kwargs, group):
-        """Runs an optimizer's update of a PS table on its ps tasks (sparse_optimizers.py).
+        """Runs an optimizer's update of a PS table on its ps tasks (tables/sparse_optimizers.py).
 
         Other updates (assignments) run `fn` on the table itself, whose methods
         write each shard on its own device.
@@ -660,7 +654,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     @contextlib.contextmanager
     def mirroring_after_step(self):
-        """While Keras' first training step runs (mirroring.py): PS tables found to get
+        """While Keras' first training step runs (placement/mirroring.py): PS tables found to get
         a dense gradient are noted for `mirror_dense_tables`, not warned about."""
         self._mirroring_after_step = True
         try:
@@ -744,63 +738,6 @@ class _MovedTable(table_lib.ShardedTable):
         return self._replaced_id
 
 
-def _move_to_ps_on_row_read(keras_variable):
-    """The table a Keras 3 variable read by row now wraps, if its strategy moved it."""
-    strategy = getattr(keras_variable._value, "_distribute_strategy", None)
-    extended = getattr(strategy, "extended", None)
-    if isinstance(extended, HybridExtended):
-        return extended.move_to_ps(keras_variable)
-    return None
-
-
-def _under_hybrid_strategy():
-    return tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
-                                                       HybridStrategy)
-
-
-def _install_keras_hooks():
-    """What HybridStrategy changes in Keras 3, and in tf_keras when `tf.keras` is it.
-
-    Each hook acts only under a HybridStrategy (or on PS tables): PS tables' row
-    reads and export (table.py), moving a mirrored variable read by row to a PS
-    (`move_to_ps`), moving PS tables with dense gradients to mirrored after Keras'
-    first training step (mirroring.py), the layer each weight belongs to
-    (creation.py), clipping of the summed gradient (clipping.py), regularizers of
-    PS tables computed on their PS (penalties.py), id checks in Embedding layers
-    (table.py), losses weighted by each replica's rows (batches.py), models built
-    without reading a batch and arrays sent to each worker as its share
-    (keras_input.py), tables in Keras weight files (checkpointing.py), several steps
-    per call without a tf.while_loop (multi_step.py), whole epochs of datasets read
-    from the tf.data service (service_input.py), increments of mirrored variables
-    made per copy (increments.py), functional models' tables looked up at once
-    (batched_lookups.py), the end-of-data check picking each worker's batch on that
-    worker (end_of_data.py) and asynchronous training (asynchronous.py).
-    """
-    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
-
-    table_lib.install_keras_hook()
-    table_lib.on_row_read(_move_to_ps_on_row_read)
-    mirroring.install_keras_hook(_hybrid_extended)
-    creation.install_layer_tags()
-    checkpointing.install_hooks()
-    multi_step.install(_spans_devices)
-    asynchronous_lib.install(_asynchronous_scope)
-    clipping.install_keras_hook(_under_hybrid_strategy)
-    sparse_optimizers.install_keras_hooks()
-    batches.install_keras_hooks()
-    service_input.install_keras_hooks(lambda strategy: isinstance(strategy, HybridStrategy))
-    keras_input.install(lambda strategy: isinstance(strategy, HybridStrategy))
-    increments.install(lambda strategy: isinstance(strategy, HybridStrategy))
-    end_of_data.install(_spans_devices)
-    legacy = batches.legacy_keras()
-    penalties.install_keras_hooks(legacy)
-    for keras_module in (keras, legacy) if legacy is not None else (keras,):
-        table_lib.check_embedding_ids(keras_module.layers.Embedding, _under_hybrid_strategy)
-    # After the id checks: a table looked up at once returns its rows before them.
-    batched_lookups.install(lambda: _under_hybrid_strategy()
-                            and not tf.distribute.in_cross_replica_context())
-
-
 def _components(value):
     if isinstance(value, values_lib.DistributedValues):
         return value.values
@@ -817,19 +754,6 @@ def _assign_instance_keys_when_traced(launchers):
     """
     for launcher in launchers:
         launcher._use_unique_instance_key = lambda: False
-
-
-def _asynchronous_scope(strategy):
-    """The `WorkerScope` of a HybridStrategy that trains asynchronously, else None."""
-    return strategy.extended.worker_scope if isinstance(strategy, HybridStrategy) else None
-
-
-def _spans_devices(strategy):
-    return isinstance(strategy, HybridStrategy) and strategy.extended.spans_devices
-
-
-def _hybrid_extended(strategy):
-    return strategy.extended if isinstance(strategy, HybridStrategy) else None
 
 
 def _inside_while_loop():

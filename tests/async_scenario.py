@@ -33,10 +33,10 @@ import numpy as np
 import tensorflow as tf
 
 import scenario
-from hybrid_strategy import batches
+from hybrid_strategy import versions
 
 keras = tf.keras
-LEGACY = batches.legacy_keras() is not None  # tf.keras is tf_keras
+LEGACY = versions.legacy_keras() is not None  # tf.keras is tf_keras
 
 EQUIVALENCE_CASES = {name: scenario.CASES[name] for name in ("adagrad", "adam_exact")}
 LINEAR_ROWS, LINEAR_FEATURES, LINEAR_BATCH, LINEAR_STEPS, LINEAR_EPOCHS = 300, 5, 32, 8, 3

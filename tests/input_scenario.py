@@ -21,8 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 import hybrid_strategy
-from hybrid_strategy import array_input
-from hybrid_strategy import input_graph
+from hybrid_strategy.input import array_input
+from hybrid_strategy.input import input_graph
 
 keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 import async_scenario
 import scenario
-from hybrid_strategy import hierarchical_allreduce
+from hybrid_strategy.communication import hierarchical_allreduce
 
 keras = tf.keras
 EQUIVALENCE = ("adagrad", "adam_lazy")

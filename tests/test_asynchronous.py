@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import hybrid_strategy
-from hybrid_strategy import placement
+from hybrid_strategy.placement import plan as placement
 from runs import FAULTY_CHIEF, Runs, environ, json_report, on_cluster
 import test_replicas
 

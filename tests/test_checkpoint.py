@@ -339,8 +339,9 @@ def test_tf_keras_round_trip_and_reshard(tf_keras_reports):
 def test_row_blocks_restore_into_any_sharding_and_a_plain_variable(tmp_path, rows, saved,
                                                                    restored):
     import tensorflow as tf
-    from hybrid_strategy import checkpointing, table as table_lib
+    from hybrid_strategy.tables import checkpointing
 
+    from hybrid_strategy.tables import table as table_lib
     checkpointing.install_hooks()
     whole = np.arange(rows * 2, dtype="float32").reshape(rows, 2)
 

@@ -10,8 +10,10 @@ from concurrent import futures
 
 import pytest
 
-from hybrid_strategy import cluster, liveness
-from hybrid_strategy.cluster import ClusterConfigError
+from hybrid_strategy.cluster import config as cluster
+
+from hybrid_strategy.cluster import liveness
+from hybrid_strategy.cluster.config import ClusterConfigError
 
 CLUSTER = {
     "chief": ["127.0.0.1:2220"],
@@ -170,7 +172,7 @@ def test_from_tf_simple_cluster_resolver():
 
 
 def test_module_does_not_import_tensorflow():
-    # Load cluster.py alone: the package __init__ may import TensorFlow, this module must not.
+    # Load cluster/config.py alone: the package __init__ may import TensorFlow, this module must not.
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('c', {cluster.__file__!r})\n"

@@ -161,7 +161,7 @@ def test_a_regularizer_that_is_not_a_sum_over_rows_warns_and_trains(report):
 
 def test_penalties_that_are_sums_over_rows_are_recognised():
     import tensorflow as tf
-    from hybrid_strategy import penalties
+    from hybrid_strategy.tables import penalties
 
     keras = scenario.keras
     sums = [keras.regularizers.L1(0.1), keras.regularizers.L2(0.1),

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid_strategy
-from hybrid_strategy import cluster
+from hybrid_strategy.cluster import config as cluster
 
 
 def closed_port():

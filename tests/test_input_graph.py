@@ -1,4 +1,4 @@
-"""Each worker's version of a dataset's graph (input_graph.py, worker_input.shares).
+"""Each worker's version of a dataset's graph (input/input_graph.py, worker_input.shares).
 
 Every worker's dataset is made here, on this process's CPU, from the graph a worker would
 receive: stepping all of them together must give the global batches of the original
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hybrid_strategy import input_plan
-from hybrid_strategy import worker_input
+from hybrid_strategy.input import input_plan
+from hybrid_strategy.input import worker_input
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 

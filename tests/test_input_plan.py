@@ -1,9 +1,9 @@
-"""How each worker gets its share of a dataset: the decisions (input_plan.py, pure Python)."""
+"""How each worker gets its share of a dataset: the decisions (input/input_plan.py, pure Python)."""
 
 import pytest
 
-from hybrid_strategy import input_plan
-from hybrid_strategy.input_plan import Pipeline, plan
+from hybrid_strategy.input import input_plan
+from hybrid_strategy.input.input_plan import Pipeline, plan
 
 IN_MEMORY = ("PrefetchDataset", "BatchDatasetV2", "MapDataset", "ShuffleDatasetV3",
              "RepeatDataset", "TensorSliceDataset")

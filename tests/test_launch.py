@@ -16,8 +16,12 @@ import time
 
 import pytest
 
-from hybrid_strategy import cluster, launch, server
-from hybrid_strategy.launch import LocalCluster
+from hybrid_strategy.cluster import config as cluster
+
+from hybrid_strategy.cluster import launch
+
+from hybrid_strategy.cluster import server
+from hybrid_strategy.cluster.launch import LocalCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import hybrid_strategy
-from hybrid_strategy import cluster
-from hybrid_strategy.launch import LocalCluster
+from hybrid_strategy.cluster import config as cluster
+from hybrid_strategy.cluster.launch import LocalCluster
 from runs import FAULTY_CHIEF, SMALL_CHIEF, Runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,8 +1,8 @@
-"""Keras' steps on a HybridStrategy (hybrid_strategy/multi_step.py): calls on one iterator."""
+"""Keras' steps on a HybridStrategy (hybrid_strategy/keras_integration/multi_step.py): calls on one iterator."""
 
 import tensorflow as tf
 
-from hybrid_strategy import multi_step
+from hybrid_strategy.keras_integration import multi_step
 
 
 class CountingFunction:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid_strategy import placement
+from hybrid_strategy.placement import plan as placement
 
 EMBEDDING = ("Embedding", "Layer", "object")
 DENSE = ("Dense", "Layer", "object")

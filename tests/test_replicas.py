@@ -19,8 +19,12 @@ import pytest
 import tensorflow as tf
 
 import replicas_scenario
-from hybrid_strategy import cluster, data_service, hierarchical_allreduce, launch, server
-from hybrid_strategy import service_input
+from hybrid_strategy.cluster import config as cluster
+from hybrid_strategy.cluster import data_service
+from hybrid_strategy.communication import hierarchical_allreduce
+from hybrid_strategy.cluster import launch
+from hybrid_strategy.cluster import server
+from hybrid_strategy.input import service_input
 from hybrid_strategy import strategy as strategy_lib
 from runs import ROOT, Runs, environ
 from test_launch import gone
@@ -254,7 +258,7 @@ import numpy as np
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
-from hybrid_strategy import hierarchical_allreduce
+from hybrid_strategy.communication import hierarchical_allreduce
 errors = []
 for count, length in [(2, 5), (4, 13), (4, 16), (8, 29), (8, 3)]:
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(count)]

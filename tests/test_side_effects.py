@@ -1,8 +1,8 @@
-"""Side effects ordered per task (hybrid_strategy/side_effects.py), read from a traced graph."""
+"""Side effects ordered per task (hybrid_strategy/communication/side_effects.py), read from a traced graph."""
 
 import tensorflow as tf
 
-from hybrid_strategy import side_effects
+from hybrid_strategy.communication import side_effects
 
 WORKER = "/job:worker/replica:0/task:{}/device:CPU:0"
 

@@ -25,7 +25,7 @@ import tf_keras
 
 import hybrid_strategy
 import optimizer_references as references
-from hybrid_strategy import sparse_optimizers as so
+from hybrid_strategy.tables import sparse_optimizers as so
 from optimizer_references import error, scaled, values
 
 ROWS, DIM, SEQ, BATCH, STEPS, SHARDS = 16, 3, 3, 4, 4, 3

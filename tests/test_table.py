@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid_strategy
-from hybrid_strategy import table as table_lib
+from hybrid_strategy.tables import table as table_lib
 
 keras = tf.keras
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from hybrid_strategy import worker_input
+from hybrid_strategy.input import worker_input
 from runs import Runs, json_report, on_cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,0 +1,2 @@
+"""Asynchronous training: each worker steps on its own batches (training.py).
+"""

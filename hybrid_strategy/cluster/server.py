@@ -1,0 +1,196 @@
+"""Runs the TF server of one worker or ps task; the chief drives it over gRPC.
+
+    TF_CONFIG='{"cluster": {"chief": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2221"],
+                "ps": ["127.0.0.1:2222"]}, "task": {"type": "ps", "index": 0}}' \\
+        python -m hybrid_strategy.server
+
+TF_CONFIG says which task this process is. `--cpu-devices N` makes a worker's server expose N
+CPU devices, each a replica of the chief's training step (as the GPUs of a GPU machine are),
+so that the multi-replica path of GPU machines runs on CPUs. The server runs until SIGTERM or
+SIGINT, then exits
+with code 0. Exit code 2 means TF_CONFIG is missing or invalid, or names a task that is not a
+worker or ps; exit code 75 means the gRPC server could not start (e.g. its port is taken).
+
+Once the chief has connected, the server probes it; when the chief stops answering for
+`--chief-timeout` seconds (default 5), the server starts afresh in the same process (same
+pid, same port): TensorFlow would keep a dead chief's variables for ten minutes, so a
+restarted chief would find the ps tasks holding every table twice.
+
+`--thread-spinning` says whether TensorFlow's idle threads spin while they wait for work
+(TensorFlow's default: less latency, idle cores busy) or sleep at once. By default they
+sleep when another task of the cluster has this task's host (a local cluster): the tasks
+then share its cores, and a synchronous step's waits would burn the CPU the others need.
+"""
+import argparse
+import os
+import select
+import signal
+import sys
+import time
+
+from hybrid_strategy.cluster import config as cluster_lib
+
+_PREFIX = "hybrid_strategy.server:"
+_SERVED_JOBS = ("worker", "ps")
+EXIT_CANNOT_SERVE = 75  # EX_TEMPFAIL: the launcher retries with other ports
+_CHIEF_PROBE_INTERVAL = 0.5  # seconds between two probes of the chief
+
+
+class Stop(BaseException):
+    """Raised by the signal handler to end start-up early; BaseException so that no
+    `except Exception` on the way swallows it."""
+
+
+def main(argv=None) -> int:
+    """Serves the task TF_CONFIG names until SIGTERM/SIGINT; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hybrid_strategy.server",
+        description=__doc__.split("\n", 1)[0] + " The task comes from TF_CONFIG.",
+    )
+    parser.add_argument(
+        "--chief-timeout", type=float, default=cluster_lib.CHIEF_TIMEOUT, metavar="S",
+        help="start afresh, dropping every variable, once the chief that connected has not "
+             f"answered for S seconds (default {cluster_lib.CHIEF_TIMEOUT:g}; 0: never)")
+    parser.add_argument(
+        "--cpu-devices", type=int, default=1, metavar="N",
+        help="CPU devices this worker exposes, each a replica of the training step "
+             "(default 1; a worker with GPUs replicates over its GPUs instead)")
+    parser.add_argument(
+        "--thread-spinning", choices=("auto", "on", "off"), default="auto",
+        help="whether TensorFlow's idle threads spin waiting for work (default auto: off "
+             "when another task of TF_CONFIG's cluster has this task's host)")
+    options = parser.parse_args(argv)
+    if options.chief_timeout < 0:
+        parser.error(f"--chief-timeout must be 0 or more, got {options.chief_timeout:g}")
+    if options.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be at least 1, got {options.cpu_devices}")
+    config, problem = _task_config()
+    if problem:
+        print(f"{_PREFIX} {problem}", file=sys.stderr)
+        return 2
+    if options.cpu_devices > 1 and config.task_type != "worker":
+        print(f"{_PREFIX} --cpu-devices {options.cpu_devices} is for worker tasks (each CPU "
+              f"device a replica), but TF_CONFIG names task \"{config.task_type}\" "
+              f"{config.task_index}; start it without --cpu-devices.", file=sys.stderr)
+        return 2
+    # Installed before the slow TensorFlow import so that an early SIGTERM also exits cleanly.
+    stopped = stop_on_signals()
+    try:
+        return _serve(config, stopped, options.chief_timeout, options.cpu_devices,
+                      thread_spinning(options.thread_spinning, config))
+    except Stop:
+        return 0
+
+
+def thread_spinning(choice: str, config: cluster_lib.ClusterConfig) -> bool:
+    """Whether this task's idle TensorFlow threads spin: `choice` ("on", "off", or "auto":
+    not when another task of `config` has this task's host)."""
+    if choice == "auto":
+        return not config.shares_host(config.task_type, config.task_index)
+    return choice == "on"
+
+
+def _task_config():
+    """(config, None) for a valid worker/ps TF_CONFIG, else (None, message saying what to fix)."""
+    try:
+        config = cluster_lib.from_environment()
+    except cluster_lib.ClusterConfigError as e:
+        return None, str(e)
+    if config is None:
+        return None, (
+            "TF_CONFIG is not set; set it to the cluster and this process's task, e.g. "
+            '{"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222"]}, '
+            '"task": {"type": "worker", "index": 0}}.'
+        )
+    if config.task_type not in _SERVED_JOBS:
+        return None, (
+            f'TF_CONFIG names task "{config.task_type}" {config.task_index}, but only worker and '
+            "ps tasks run this server; the chief runs the training program itself."
+        )
+    return config, None
+
+
+def stop_on_signals() -> int:
+    """Makes SIGTERM/SIGINT raise Stop; returns a pipe fd that turns readable once one came.
+
+    The pipe is the reliable half: Python's C-level handler writes to it from whichever
+    thread the signal hits, so a signal that lands while TensorFlow's C++ code runs (where
+    the raised Stop can be lost) still wakes the serving loop, with no lost-wakeup race.
+    """
+    stopped, wakeup = os.pipe()
+    os.set_blocking(wakeup, False)
+    signal.set_wakeup_fd(wakeup)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _raise_stop)
+    return stopped
+
+
+def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float,
+           cpu_devices: int, spinning: bool) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    job, index = config.task_type, config.task_index
+    session_config = tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices})
+    session_config.experimental.disable_thread_spinning = not spinning
+    try:
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(config.as_cluster_spec_dict()),
+            job_name=job, task_index=index, protocol="grpc", start=True,
+            config=session_config,
+        )
+    except tf.errors.OpError as e:
+        print(f"{_PREFIX} {config.device(job, index)} could not start: {e.message}; is "
+              f"{config.address(job, index)} free and an address of this machine?",
+              file=sys.stderr)
+        return EXIT_CANNOT_SERVE
+    devices = f" with {cpu_devices} CPU devices" if cpu_devices > 1 else ""
+    idle = "" if spinning else "; idle threads sleep (--thread-spinning)"
+    print(f"{_PREFIX} {config.device(job, index)} serving on {config.address(job, index)}"
+          f"{devices}{idle}", file=sys.stderr, flush=True)
+    # The server serves from its own threads while `server` keeps it referenced (deleting
+    # it would ask TF to stop it). Server.join() would block in C++ where no Python signal
+    # handler runs, so wait for the stop signal instead.
+    chief = config.cluster.get("chief", (None,))[0] if chief_timeout else None
+    lost = _wait_for_stop_or_chief_loss(stopped, chief, chief_timeout)
+    if lost:
+        print(f"{_PREFIX} {config.device(job, index)}: the chief at {chief} has not answered "
+              f"for {chief_timeout:g} s ({lost}); starting afresh to drop its variables.",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # TensorFlow offers no way to drop a client's state; a new process image does, and
+        # keeps the pid the launcher or the container runtime watches. gRPC's sockets are
+        # close-on-exec, so the port is free again for the new server.
+        os.execv(sys.executable, sys.orig_argv)
+    del server
+    return 0
+
+
+def _wait_for_stop_or_chief_loss(stopped: int, chief: str | None, timeout: float) -> str | None:
+    """Waits for the stop signal (returns None) or, once `chief` has answered a probe, for
+    it to stop answering for `timeout` seconds (returns why its last probe failed)."""
+    last_answer = None  # armed when the chief first answers: it starts after the servers
+    while not select.select([stopped], [], [], _CHIEF_PROBE_INTERVAL if chief else None)[0]:
+        problem = cluster_lib.probe(chief, _CHIEF_PROBE_INTERVAL)
+        now = time.monotonic()
+        if problem is None:
+            last_answer = now
+        elif last_answer is not None and now - last_answer >= timeout:
+            return problem
+    return None
+
+
+def _raise_stop(signum, frame):
+    raise Stop(signum)
+
+
+def exit_at_once(code: int) -> None:
+    """Exits with `code` after flushing output, skipping interpreter teardown.
+
+    A gRPC TF server cannot be stopped; destructors racing its threads at teardown could
+    hang or crash the exit.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+

@@ -1,0 +1,130 @@
+"""Gradient clipping of the global batch's gradient, after the replicas' gradients are summed.
+
+On one device, `clipnorm`, `global_clipnorm` and `clipvalue` clip the gradient of
+the whole batch. Keras 3 optimizers under a `tf.distribute` strategy clip each
+replica's share of it instead, before the cross-replica sum, which is another
+update (two replicas whose gradients are each just under `clipnorm` sum to twice
+it). Under HybridStrategy, `install_keras_hook` makes Keras 3 optimizers clip the
+summed gradient, as one device would; tf_keras optimizers already sum, then clip.
+
+The summed gradient of a PS table stays where it was summed, one part per shard
+on its PS: norms are added up from each shard's own sum of squares, and each
+shard's rows are scaled or clipped on its PS, so clipping moves no table rows.
+"""
+
+import tensorflow as tf
+
+from hybrid_strategy.communication import aggregation as communication
+
+
+def clip(grads, clipnorm=None, global_clipnorm=None, clipvalue=None):
+    """Clips summed gradients as Keras does on one device (the first option set wins).
+
+    Args:
+        grads: Gradients (tensors, `tf.IndexedSlices` with distinct rows, PS
+            table sums from `communication.shard_summed`, or None).
+        clipnorm: Each gradient is scaled to an L2 norm of at most this.
+        global_clipnorm: All gradients are scaled together to a joint L2 norm of
+            at most this.
+        clipvalue: Each entry is clipped to [-clipvalue, clipvalue].
+    """
+    if clipnorm and clipnorm > 0:
+        return [None if g is None else _scaled(g, _norm_factor(_squared_norm(g), clipnorm))
+                for g in grads]
+    if global_clipnorm and global_clipnorm > 0:
+        present = [g for g in grads if g is not None]
+        if not present:
+            return list(grads)
+        norm = tf.sqrt(tf.add_n([_squared_norm(g) for g in present]))
+        # Keras' formula: NaN for an infinite or NaN norm, 1 for a zero one.
+        scale = (global_clipnorm * tf.minimum(1.0 / norm, 1.0 / global_clipnorm)
+                 + (norm - norm))
+        return [None if g is None else _scaled(g, scale) for g in grads]
+    if clipvalue and clipvalue > 0:
+        return [None if g is None else
+                _map_values(g, lambda v: tf.clip_by_value(v, -clipvalue, clipvalue))
+                for g in grads]
+    return list(grads)
+
+
+def _norm_factor(squared_norm, clipnorm):
+    return clipnorm / tf.maximum(tf.sqrt(squared_norm), clipnorm)
+
+
+def _parts(gradient):
+    """(part, device) pairs: a PS table's per-shard sums, else the gradient itself."""
+    sums = communication.shard_sums_of(gradient)
+    if sums is None:
+        return [(gradient, None)]
+    shards = communication.table_of_sum(gradient).shards
+    return [(part, shard.device) for part, shard in zip(sums, shards)]
+
+
+def _values(part):
+    return part.values if isinstance(part, tf.IndexedSlices) else part
+
+
+def _squared_norm(gradient):
+    squares = []
+    for part, device in _parts(gradient):
+        with tf.device(device):
+            squares.append(tf.reduce_sum(tf.square(_values(part))))
+    return tf.add_n(squares) if len(squares) > 1 else squares[0]
+
+
+def _scaled(gradient, factor):
+    return _map_values(gradient, lambda v: v * tf.cast(factor, v.dtype))
+
+
+def _map_values(gradient, fn):
+    """`gradient` with `fn` applied to its values, each part on its own device."""
+    parts = []
+    for part, device in _parts(gradient):
+        with tf.device(device):
+            if isinstance(part, tf.IndexedSlices):
+                parts.append(tf.IndexedSlices(fn(part.values), part.indices, part.dense_shape))
+            else:
+                parts.append(fn(part))
+    if communication.shard_sums_of(gradient) is None:
+        return parts[0]
+    return communication.shard_summed(parts, communication.table_of_sum(gradient))
+
+
+def install_keras_hook(applies):
+    """Makes Keras 3 optimizers clip the cross-replica sum, not each replica's part.
+
+    Keras 3 clips in `_backend_apply_gradients` and sums the replicas' gradients
+    later, in `_all_reduce_sum_gradients`: in a replica context where `applies()`
+    (under HybridStrategy), the first leaves the gradients as they are and the
+    second clips what it summed.
+    """
+    # Keras-private: the TensorFlow backend's optimizer base, whose two methods
+    # are where Keras clips and where it sums across replicas.
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    optimizer_class = tf_optimizer.TFOptimizer
+    if getattr(optimizer_class, "_hybrid_clips_summed_gradients", False):
+        return
+    clip_gradients = optimizer_class._clip_gradients
+    all_reduce_sum_gradients = optimizer_class._all_reduce_sum_gradients
+
+    def _clipping_deferred(optimizer):
+        clips = optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
+        return bool(clips) and applies() and not tf.distribute.in_cross_replica_context()
+
+    def _clip_gradients(self, grads):
+        if _clipping_deferred(self):
+            return list(grads)
+        return clip_gradients(self, grads)
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        reduced = all_reduce_sum_gradients(self, grads_and_vars)
+        if not _clipping_deferred(self):
+            return reduced
+        grads = clip([g for g, _ in reduced], clipnorm=self.clipnorm,
+                     global_clipnorm=self.global_clipnorm, clipvalue=self.clipvalue)
+        return [(g, v) for g, (_, v) in zip(grads, reduced)]
+
+    optimizer_class._clip_gradients = _clip_gradients
+    optimizer_class._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    optimizer_class._hybrid_clips_summed_gradients = True

@@ -1,0 +1,114 @@
+"""Keras 3 functional models look up every PS table their inputs index at once.
+
+A functional model (a Sequential one runs as one too) knows, before it runs a layer,
+which of its `Embedding` layers take their ids straight from its inputs. Under a
+HybridStrategy, each such layer's lookup of a PS table is an exchange with every
+PS task holding rows of it: the ids go, the rows come back, each by a call between
+tasks of its own. `install` makes the model look those tables up together when it
+starts running (`table.lookup_many`): one exchange per PS task whatever the number
+of tables (a click-through model with 26 categorical features: 2 calls per worker
+and step instead of 52). Each layer then returns its rows when it is called: the
+same ids checks, rows, masks and gradients (one `IndexedSlices` per table) as the
+layer's own lookup. Only plain `keras.layers.Embedding` layers take part (not
+subclasses, which may look up otherwise, nor quantized or LoRA ones).
+
+```python
+import keras
+import hybrid_strategy
+strategy = hybrid_strategy.HybridStrategy()     # installs it
+with strategy.scope():
+    a, b = keras.Input((), dtype="int32"), keras.Input((), dtype="int32")
+    rows = [keras.layers.Embedding(100, 4)(a), keras.layers.Embedding(50, 4)(b)]
+    model = keras.Model([a, b], keras.layers.Concatenate()(rows))
+print(model([keras.ops.ones((2,), "int32"), keras.ops.zeros((2,), "int32")]).shape)
+```
+"""
+
+import functools
+import threading
+
+import tensorflow as tf
+
+from hybrid_strategy.tables import table as table_lib
+
+# {(id of an Embedding layer, id of its ids tensor): (ids tensor, rows)} of the
+# functional models running on this thread.
+_LOOKED_UP = threading.local()
+
+
+def install(applies):
+    """Makes Keras 3 functional models look their tables up at once while `applies()`."""
+    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
+    # Keras-private: the graph runner of functional models, which Keras offers no
+    # public way into.
+    from keras.src.ops import function as function_lib
+
+    function_class = function_lib.Function
+    if getattr(function_class._run_through_graph, "_looks_up_at_once", False):
+        return
+    run_through_graph = function_class._run_through_graph
+
+    def run_looking_up_at_once(self, inputs, operation_fn=lambda op: op, call_fn=None):
+        rows = {}
+        if call_fn is None and applies():
+            rows = _look_up(self, inputs)
+        if not rows:
+            return run_through_graph(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
+        outer = getattr(_LOOKED_UP, "rows", {})
+        _LOOKED_UP.rows = {**outer, **rows}
+        try:
+            return run_through_graph(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
+        finally:
+            _LOOKED_UP.rows = outer
+
+    run_looking_up_at_once._looks_up_at_once = True
+    function_class._run_through_graph = run_looking_up_at_once
+
+    embedding_class = keras.layers.Embedding
+    call = embedding_class.call
+
+    # Keras reads which arguments `call` takes from its signature: Embedding.call's.
+    @functools.wraps(call)
+    def call_with_rows_looked_up(self, inputs):
+        looked_up = getattr(_LOOKED_UP, "rows", {}).get((id(self), id(inputs)))
+        if looked_up is not None and looked_up[0] is inputs:
+            return looked_up[1]
+        return call(self, inputs)
+
+    embedding_class.call = call_with_rows_looked_up
+
+
+def _look_up(function, inputs):
+    """The rows of every plain Embedding of `function` indexed by one of its inputs,
+    looked up at once, keyed as `_LOOKED_UP.rows`; {} when fewer than two."""
+    import keras  # pylint: disable=import-outside-toplevel
+
+    values = keras.tree.flatten(inputs)
+    if not all(isinstance(value, tf.Tensor) for value in values):
+        return {}  # symbolic (KerasTensor) or eager inputs: no step being traced
+    given = {id(x): y for x, y in zip(function.inputs, values)}
+    layers, requests = [], []
+    for nodes in function._nodes_by_depth.values():
+        for node in nodes:
+            layer = node.operation
+            if not _takes_part(layer, keras) or len(node.input_tensors) != 1:
+                continue
+            ids = given.get(id(node.input_tensors[0]))
+            if ids is None:
+                continue
+            checked = table_lib.checked_layer_ids(layer, ids)
+            if not checked.dtype.is_integer:
+                checked = tf.cast(checked, tf.int32)  # as Embedding.call does
+            layers.append((layer, ids))
+            requests.append((layer.embeddings._value, checked))
+    if len(requests) < 2:
+        return {}
+    rows = table_lib.lookup_many(requests, checked=True)
+    return {(id(layer), id(ids)): (ids, tf.cast(r, layer.compute_dtype))
+            for (layer, ids), r in zip(layers, rows)}
+
+
+def _takes_part(layer, keras):
+    return (type(layer) is keras.layers.Embedding  # pylint: disable=unidiomatic-typecheck
+            and not layer.lora_enabled and not layer.quantization_mode
+            and table_lib.is_table(getattr(layer.embeddings, "_value", None)))

@@ -1,0 +1,99 @@
+"""Installs every run-time patch (patches.py), once, after checking every target.
+
+`HybridStrategy()` calls `install_all(HybridStrategy)`: the versions in use are
+checked against the supported ranges, every patch's target against what it was
+written for, and only then is anything changed. Each patch acts only under its
+gate; the gates below tell a HybridStrategy from any other strategy.
+
+```python
+from hybrid_strategy import HybridStrategy
+from hybrid_strategy.keras_integration import install
+install.install_all(HybridStrategy)   # what HybridStrategy() does
+```
+"""
+
+import tensorflow as tf
+
+from hybrid_strategy import versions
+from hybrid_strategy.asynchronous import training as asynchronous_lib
+from hybrid_strategy.communication import clipping
+from hybrid_strategy.input import end_of_data
+from hybrid_strategy.input import service_input
+from hybrid_strategy.keras_integration import batched_lookups
+from hybrid_strategy.keras_integration import batches
+from hybrid_strategy.keras_integration import increments
+from hybrid_strategy.keras_integration import keras_input
+from hybrid_strategy.keras_integration import multi_step
+from hybrid_strategy.keras_integration import registry
+from hybrid_strategy.placement import creation
+from hybrid_strategy.placement import mirroring
+from hybrid_strategy.tables import checkpointing
+from hybrid_strategy.tables import penalties
+from hybrid_strategy.tables import sparse_optimizers
+from hybrid_strategy.tables import table as table_lib
+
+
+class Gates:
+    """When patches act: tests of the current strategy, for the strategy class given."""
+
+    def __init__(self, strategy_class):
+        self._strategy_class = strategy_class
+
+    def is_hybrid(self, strategy):
+        return isinstance(strategy, self._strategy_class)
+
+    def under_hybrid_strategy(self):
+        return tf.distribute.has_strategy() and self.is_hybrid(tf.distribute.get_strategy())
+
+    def in_replica_of_hybrid_strategy(self):
+        return self.under_hybrid_strategy() and not tf.distribute.in_cross_replica_context()
+
+    def spans_devices(self, strategy):
+        return self.is_hybrid(strategy) and strategy.extended.spans_devices
+
+    def extended(self, strategy):
+        return strategy.extended if self.is_hybrid(strategy) else None
+
+    def asynchronous_scope(self, strategy):
+        """The `WorkerScope` of a HybridStrategy that trains asynchronously, else None."""
+        return strategy.extended.worker_scope if self.is_hybrid(strategy) else None
+
+    def move_to_ps_on_row_read(self, keras_variable):
+        """The table a Keras 3 variable read by row now wraps, if its strategy moved it."""
+        strategy = getattr(keras_variable._value, "_distribute_strategy", None)
+        if self.is_hybrid(strategy):
+            return strategy.extended.move_to_ps(keras_variable)
+        return None
+
+
+def install_all(strategy_class):
+    """Checks the versions and every patch's target, then installs every patch once.
+
+    Raises `versions.UnsupportedVersionError` (naming the installed and supported
+    versions, and every target that differs) before anything is changed.
+    """
+    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
+
+    versions.check_installed()
+    registry.verify()
+    gates = Gates(strategy_class)
+    table_lib.install_keras_hook()
+    table_lib.on_row_read(gates.move_to_ps_on_row_read)
+    mirroring.install_keras_hook(gates.extended)
+    creation.install_layer_tags()
+    checkpointing.install_hooks()
+    multi_step.install(gates.spans_devices)
+    asynchronous_lib.install(gates.asynchronous_scope)
+    clipping.install_keras_hook(gates.under_hybrid_strategy)
+    sparse_optimizers.install_keras_hooks()
+    batches.install_keras_hooks()
+    service_input.install_keras_hooks(gates.is_hybrid)
+    keras_input.install(gates.is_hybrid)
+    increments.install(gates.is_hybrid)
+    end_of_data.install(gates.spans_devices)
+    legacy = versions.legacy_keras()
+    penalties.install_keras_hooks(legacy)
+    for keras_module in (keras, legacy) if legacy is not None else (keras,):
+        table_lib.check_embedding_ids(keras_module.layers.Embedding, gates.under_hybrid_strategy)
+    # After the id checks: a table looked up at once returns its rows before them.
+    batched_lookups.install(gates.in_replica_of_hybrid_strategy)

@@ -1,0 +1,831 @@
+"""PS tables: variables split by rows over parameter-server tasks, read and updated by row.
+
+A `ShardedTable` of S shards holds one TensorFlow resource variable per shard, each on
+the PS device `placement` chose for it; shard k holds rows k, k + S, k + 2S, ... of
+the table, so that frequent ids, which are often the small ones (vocabularies sorted
+by frequency), are spread over every PS. It stands in for the variable that Keras
+(3 or tf_keras) asked for:
+
+- `lookup` (reached through `tf.gather`, `tf.nn.embedding_lookup` and Keras 3's
+  `ops.take`) deduplicates the ids on the worker, gathers each shard's rows on its
+  own PS and stitches them back, so each distinct row crosses the network once per
+  replica and step;
+- its gradient is a `tf.IndexedSlices` over the whole table whose indices are the
+  lookup's unique ids; `table_of_gradient` recognises them, so the strategy sends
+  the rows to their shards instead of all-reducing them;
+- reading it whole (a tied output projection, `get_weights()`) concatenates the
+  shards, with a dense gradient;
+- a SavedModel (`tf.saved_model.save`, Keras 3 `model.export`) holds it as one
+  ordinary variable with the whole table: functions traced for export read a
+  stand-in variable of the table's shape (`saving_variable`, which holds no memory
+  here), which the export maps to that ordinary variable, as TensorFlow's
+  `ShardedVariable` does.
+
+The gradient reaches the tape through the first shard's handle: tape and Keras
+know a variable by `handle`, and each read records the table-wide gradient for it.
+
+```python
+import tensorflow as tf
+from hybrid_strategy.tables import table
+shards = [tf.Variable(tf.reshape(tf.range(8.0), (4, 2))), tf.Variable(tf.ones((3, 2)))]
+t = table.ShardedTable(shards, "emb/embeddings")   # rows 0, 2, 4, 6 and 1, 3, 5
+print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the second's first)
+```
+"""
+
+import collections
+import contextlib
+import functools
+import random
+import threading
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+# TF-private: `record.stop_recording` keeps the tape from also differentiating the
+# raw per-shard reads, and `record.record_operation` gives it the table-wide
+# gradient instead; `tape.variable_accessed` tells the tape the table was read, as
+# reads of a tf.Variable do; `dispatch` lets `tf.nn.embedding_lookup` route tables to
+# `lookup` before it would convert them to one dense tensor; gen_resource_variable_ops
+# are the raw per-shard reads.
+from tensorflow.python.eager import record
+from tensorflow.python.eager import tape as tape_lib
+from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.util import dispatch
+# TF-private: `save_context` tells that `tf.saved_model.save` is tracing the
+# functions it exports; `resource_variable_ops` makes the stand-in variable those
+# traces read and writes a variable's SavedModel record (as ShardedVariable does).
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.saved_model import save_context
+
+from hybrid_strategy.tables import row_blocks
+from hybrid_strategy.communication import wire
+from hybrid_strategy.placement.plan import shard_rows
+
+# graph -> {name of a lookup's unique ids or of a read's gradient: its table}
+_LOOKUPS = weakref.WeakKeyDictionary()
+# graph -> names of lookups' unique ids
+_DISTINCT = weakref.WeakKeyDictionary()
+# graph -> refs of the tables read whole there while a gradient tape recorded
+_WHOLE_READS = weakref.WeakKeyDictionary()
+# Gradient-side ops that keep the rows' identity while reshaping or merging them.
+_PASS_THROUGH_OPS = ("Reshape", "Identity", "Cast")
+# Functions called with a Keras 3 variable read by row that wraps no table (`on_row_read`).
+_ROW_READ_HANDLERS = []
+# Depth of `tracing_for_export` blocks on this thread.
+_EXPORT_TRACING = threading.local()
+# The tables whose ids the Embedding layers being called on this thread have checked.
+_LAYER_CHECKED = threading.local()
+
+
+@dispatch.register_dispatchable_type
+class ShardedTable(tf.Variable):
+    """A variable whose rows are dealt over `shards`, one per PS device.
+
+    Shard k of S holds rows k, k + S, k + 2S, ...: row r is row r // S of shard
+    r % S, so the first shards hold one row more when S does not divide the rows.
+
+    It is a `tf.Variable` (as a MirroredVariable is) so that code which accepts
+    only variables takes it: tf_keras' h5 weights files, for one. Like a Python
+    object, and unlike a `tf.Variable`, it is hashable and equal only to itself.
+
+    Args:
+        shards: tf.Variables with the same trailing shape, the k-th holding rows
+            k::S of the table.
+        path: The name users know the table by, e.g. "embedding/embeddings".
+        name: The variable name Keras asked for (default: the path's last part).
+    """
+
+    _should_act_as_resource_variable = True
+
+    def __init__(self, shards, path, name=None, wire_dtype=None):
+        if not shards:
+            raise ValueError(f"table {path} needs at least one shard.")
+        self.shards = tuple(shards)
+        self.path = path
+        self._name = name or path.rsplit("/", 1)[-1]
+        rows = [int(s.shape[0]) for s in self.shards]
+        if rows != shard_rows(sum(rows), len(rows)):
+            raise ValueError(
+                f"table {path}: shards of {rows} rows cannot hold rows k::{len(rows)} of "
+                f"{sum(rows)} rows; shard k needs {shard_rows(sum(rows), len(rows))}[k].")
+        self.num_shards = len(rows)
+        self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
+        self._saving_variable = None
+        self.wire_dtype = wire.check_wire_dtype(wire_dtype)
+        # While an optimizer updates some rows of the table (sparse_optimizers.py): the
+        # object standing in for them, which whole reads and writes go to instead.
+        self.rows_view = None
+
+    # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def dtype(self):
+        return self.shards[0].dtype
+
+    @property
+    def shape(self):
+        return self._shape
+
+    def get_shape(self):
+        return self._shape
+
+    @property
+    def trainable(self):
+        return self.shards[0].trainable
+
+    @property
+    def device(self):
+        return self.shards[0].device
+
+    @property
+    def handle(self):
+        return self.shards[0].handle
+
+    @property
+    def _unique_id(self):
+        return f"table:{self.shards[0]._unique_id}"
+
+    @property
+    def _shared_name(self):
+        return self.path.replace("/", "_")
+
+    @property
+    def synchronization(self):
+        return self.shards[0].synchronization
+
+    @property
+    def aggregation(self):
+        return self.shards[0].aggregation
+
+    @property
+    def _in_graph_mode(self):
+        return False
+
+    @property
+    def constraint(self):
+        return None
+
+    @property
+    def devices(self):
+        return tuple(s.device for s in self.shards)
+
+    def ref(self):
+        return _Ref(self)
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        """What tf.Variable's conversion to a tensor calls: the whole table."""
+        return _to_tensor(self, dtype=dtype, name=name)
+
+    def __repr__(self):
+        return (f"<ShardedTable {self.path} shape={self._shape.as_list()} "
+                f"shards={len(self.shards)}>")
+
+    # Reads -----------------------------------------------------------------
+
+    def sparse_read(self, indices, name=None):
+        return lookup(self, indices, name=name)
+
+    def value(self):
+        return _read_whole(self)
+
+    def read_value(self):
+        return _read_whole(self)
+
+    def numpy(self):
+        whole = np.empty(self._shape.as_list(), dtype=self.dtype.as_numpy_dtype)
+        for k, shard in enumerate(self.shards):
+            whole[k::self.num_shards] = shard.numpy()
+        return whole
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    # Writes ------------------------------------------------------------------
+
+    def assign(self, value, use_locking=False, name=None, read_value=False):
+        return self._write_rows(value, "assign")
+
+    def assign_add(self, delta, use_locking=False, name=None, read_value=False):
+        return self._write_rows(delta, "assign_add")
+
+    def assign_sub(self, delta, use_locking=False, name=None, read_value=False):
+        return self._write_rows(delta, "assign_sub")
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(sparse_delta, "scatter_update")
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(sparse_delta, "scatter_add")
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter(sparse_delta, "scatter_sub")
+
+    def _write_rows(self, value, method):
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if self.rows_view is not None:
+            return self.rows_view.write(method, value)
+        ops = []
+        for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
+            with tf.device(shard.device):
+                ops.append(getattr(shard, method)(part, read_value=False))
+        return tf.group(ops)
+
+    def _scatter(self, sparse_delta, method):
+        ops = []
+        for shard, part in zip(self.shards, split_slices(sparse_delta, self.num_shards)):
+            with tf.device(shard.device):
+                ops.append(getattr(shard, method)(part))
+        return tf.group(ops)
+
+    # SavedModel export: one ordinary variable holding the whole table -------
+
+    @property
+    def saving_variable(self):
+        """The whole-table stand-in that functions traced for export read.
+
+        An uninitialized variable on this process: a handle, no memory. Exported
+        functions capture it instead of the shards, and the export maps it to the
+        ordinary variable the SavedModel holds the table in.
+        """
+        if self._saving_variable is None:
+            with tf.init_scope():
+                self._saving_variable = resource_variable_ops.UninitializedVariable(
+                    shape=self._shape, dtype=self.dtype, name=self._shared_name,
+                    trainable=self.trainable,
+                    synchronization=tf.VariableSynchronization.NONE,
+                    aggregation=tf.VariableAggregation.NONE)
+        return self._saving_variable
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        """Maps the table, and the stand-in its exported functions read, to one variable."""
+        saving = self.saving_variable
+        resources = saving._export_to_saved_model_graph(
+            object_map=object_map, tensor_map=tensor_map, options=options, **kwargs)
+        object_map[self] = object_map[saving]
+        if self.num_shards == 1:
+            # A function traced for training reads the only shard as the whole
+            # table: it is exported as such. The shards of a split table are not
+            # (their rows are not the table's), so the export refuses such a
+            # function instead of serving wrong rows.
+            tensor_map[self.handle] = tensor_map[saving.handle]
+            resources.append(self.handle)
+        return resources
+
+    def _write_object_proto(self, proto, options):
+        """Records the table in the SavedModel as an ordinary variable of its shape."""
+        resource_variable_ops.write_object_proto_for_resource_variable(
+            self.saving_variable, proto, options, enforce_naming=False)
+
+    def _copy_trackable_to_cpu(self, object_map):
+        """Copies the whole table to this process's CPU (asynchronous checkpoints)."""
+        if self not in object_map:
+            with tf.device("/device:CPU:0"):
+                object_map[self] = resource_variable_ops.UninitializedVariable(
+                    shape=self._shape, dtype=self.dtype, name=self._shared_name,
+                    trainable=self.trainable)
+        copy = object_map[self]
+        with tf.device(copy.device):
+            copy.assign(_read_whole(self))
+
+    # Checkpoints: the table in row order under one key, each block written and
+    # read on its own ps (see row_blocks.py) --------------------------------
+
+    def _serialize_to_tensors(self):
+        return row_blocks.serialize(self)
+
+    def _restore_from_tensors(self, restored_tensors):
+        return row_blocks.restore(self, restored_tensors)
+
+
+class _Ref:
+    """Hashable identity for a table, like `tf.Variable.ref()`."""
+
+    def __init__(self, table):
+        self._table = table
+
+    def deref(self):
+        return self._table
+
+    def __hash__(self):
+        return id(self._table)
+
+    def __eq__(self, other):
+        return isinstance(other, _Ref) and other._table is self._table
+
+
+def _to_tensor(table, dtype=None, name=None, as_ref=False):
+    if dtype is not None and not tf.as_dtype(dtype).is_compatible_with(table.dtype):
+        raise ValueError(
+            f"Cannot convert table {table.path} of dtype {table.dtype.name} to "
+            f"{tf.as_dtype(dtype).name}.")
+    return _read_whole(table)
+
+
+tf.register_tensor_conversion_function(ShardedTable, _to_tensor)
+
+
+def is_table(value):
+    return isinstance(value, ShardedTable)
+
+
+# Initializers whose values do not depend on the full shape: each shard can draw
+# its own rows directly, on its own PS.
+_ROW_WISE_INITIALIZERS = ("Zeros", "Ones", "Constant", "RandomUniform", "RandomNormal",
+                          "TruncatedNormal")
+
+
+def shard_initial_values(initial_value, initializer, shape, dtype, num_shards):
+    """One initial value per shard of a `shape` table dealt over `num_shards`.
+
+    Row-wise initializers run per shard (the full table is never built); anything
+    else is built whole where the shard's variable is created, on its PS, and
+    sliced there, so a worker or the chief never holds the table.
+    """
+    if num_shards == 1:
+        return [initial_value]
+    shape = tf.TensorShape(shape)
+    if initializer is not None and type(initializer).__name__ in _ROW_WISE_INITIALIZERS:
+        return [lambda rows=rows, init=init: init(
+                    tf.TensorShape([rows]).concatenate(shape[1:]), dtype=dtype)
+                for rows, init in zip(shard_rows(shape[0], num_shards),
+                                      _per_shard(initializer, num_shards))]
+
+    def rows_of(k):
+        value = initial_value() if callable(initial_value) else initial_value
+        return tf.convert_to_tensor(value, dtype=dtype)[k::num_shards]
+
+    return [lambda k=k: rows_of(k) for k in range(num_shards)]
+
+
+def _per_shard(initializer, num_shards):
+    """One initializer per shard, random ones each with a seed of its own.
+
+    A Keras initializer with an integer seed (Keras 3 gives every unseeded one a
+    fixed seed; tf_keras repeats an unseeded one's values) draws the same values
+    for every call of the same shape: shards would all hold the same rows. Shard
+    k's seed derives from the initializer's, or from Python's `random`, which
+    `keras.utils.set_random_seed` seeds, so runs stay reproducible.
+    """
+    seed = getattr(initializer, "seed", None)
+    if "seed" not in initializer.get_config() or not (seed is None or isinstance(seed, int)):
+        return [initializer] * num_shards  # constant, or a stateful SeedGenerator
+    base = seed if seed is not None else random.randrange(1 << 31)
+    config = initializer.get_config()
+    return [type(initializer).from_config(dict(config, seed=hash((base, k)) & 0x7FFFFFFF))
+            for k in range(num_shards)]
+
+
+def split_dense(value, num_shards):
+    """Splits a dense [rows, ...] tensor into the shards' rows (k::num_shards)."""
+    if num_shards == 1:
+        return [value]
+    return [value[k::num_shards] for k in range(num_shards)]
+
+
+def join_dense(parts):
+    """The inverse of `split_dense`: interleaves the shards' rows into one tensor."""
+    if len(parts) == 1:
+        return tf.identity(parts[0])
+    rows = sum(int(p.shape[0]) for p in parts)
+    positions = [tf.range(k, rows, len(parts)) for k in range(len(parts))]
+    return tf.dynamic_stitch(positions, parts)
+
+
+def shard_of(ids, num_shards):
+    """(shard, row within the shard) of each global row id."""
+    return (tf.cast(ids % num_shards, tf.int32), ids // num_shards)
+
+
+def split_slices(slices, num_shards):
+    """Splits table-wide `IndexedSlices` into per-shard ones with local row ids."""
+    if num_shards == 1:
+        return [slices]
+    shard, local = shard_of(slices.indices, num_shards)
+    values = tf.dynamic_partition(slices.values, shard, num_shards)
+    indices = tf.dynamic_partition(local, shard, num_shards)
+    return [tf.IndexedSlices(v, i, None) for v, i in zip(values, indices)]
+
+
+def join_slices(parts, dense_shape):
+    """The inverse of `split_slices`: one `IndexedSlices` with global row ids."""
+    num_shards = len(parts)
+    if num_shards == 1:
+        return tf.IndexedSlices(parts[0].values, parts[0].indices, dense_shape)
+    return tf.IndexedSlices(
+        tf.concat([p.values for p in parts], 0),
+        tf.concat([p.indices * num_shards + k for k, p in enumerate(parts)], 0),
+        dense_shape)
+
+
+@contextlib.contextmanager
+def tracing_for_export():
+    """Functions traced inside read every table through its `saving_variable`.
+
+    `tf.saved_model.save` needs no such block (it traces in its own save context);
+    Keras 3's export traces its endpoints before it calls it.
+    """
+    _EXPORT_TRACING.depth = getattr(_EXPORT_TRACING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _EXPORT_TRACING.depth -= 1
+
+
+def _tracing_for_export():
+    if tf.executing_eagerly():
+        return False
+    return save_context.in_save_context() or getattr(_EXPORT_TRACING, "depth", 0) > 0
+
+
+def _read_whole(table):
+    """The whole table as one tensor; its gradient flows to the table's handle."""
+    if table.rows_view is not None:
+        return table.rows_view.read()
+    if _tracing_for_export():
+        return gen_resource_variable_ops.read_variable_op(
+            table.saving_variable.handle, table.dtype)
+    with record.stop_recording():
+        parts = []
+        for shard in table.shards:
+            with tf.device(shard.device):
+                parts.append(gen_resource_variable_ops.read_variable_op(
+                    shard.handle, table.dtype))
+        whole = join_dense(parts)
+    record_gradient(table, whole, lambda dy: remember_gradient(tf.identity(dy), table))
+    if not tf.executing_eagerly() and record.could_possibly_record():
+        _WHOLE_READS.setdefault(whole.graph, set()).add(table.ref())
+    return whole
+
+
+def read_whole_with_gradient(table):
+    """Whether a traced function being built has read `table` whole under a gradient tape.
+
+    Its gradient is then dense whatever else reads it.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    return table.ref() in _WHOLE_READS.get(graph, ())
+
+
+def lookup(table, ids, name=None):
+    """Returns `table`'s rows for `ids` (any shape), each gathered on its shard's PS.
+
+    Ids outside `[0, rows)` raise an `InvalidArgumentError` naming the table, ids
+    that are not integers a `TypeError`.
+    """
+    return lookup_many([(table, ids)], name=name)[0]
+
+
+def lookup_many(requests, name=None, checked=False):
+    """`lookup` of several `(table, ids)` at once: a list of rows, one per request.
+
+    The ids a worker sends each PS task cross as one tensor, and the rows that task
+    sends back as one (communication/wire.py): one exchange per PS task, whatever the number of
+    tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
+    (`checked_ids`) already.
+    """
+    exporting = _tracing_for_export()
+    with tf.name_scope(name or "hybrid_lookup"):
+        distinct = []
+        for table, ids in requests:
+            ids = tf.convert_to_tensor(ids)
+            if not ids.dtype.is_integer:
+                raise TypeError(
+                    f"ids looked up in table {table.path} must be integers (int32 or "
+                    f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
+            unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
+            if not (checked or _ids_checked_by_layer(table)):
+                unique_ids = _checked(unique_ids, table)
+            if not exporting:
+                remember_gradient(unique_ids, table, distinct=True)
+            distinct.append((table, ids, unique_ids, positions))
+        with record.stop_recording():
+            rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
+                                exporting)
+            outputs = [tf.gather(r, positions) for r, (_, _, _, positions) in zip(rows, distinct)]
+        results = []
+        for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
+            if not exporting:  # a served function computes no gradient
+                record_gradient(table, out, _row_gradients(table, unique_ids, positions))
+            results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
+        return results
+
+
+def _row_gradients(table, unique_ids, positions):
+    """The gradient of a lookup: the rows' gradients summed per distinct id."""
+    num_unique = tf.shape(unique_ids)[0]
+    dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
+
+    def row_gradients(dy):
+        summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
+        return tf.IndexedSlices(summed, unique_ids, dense_shape)
+
+    return row_gradients
+
+
+def record_gradient(table, output, gradient):
+    """Tells the tape that `output` was read from `table`, with this gradient.
+
+    The tape knows a variable by its handle, so the gradient goes to the first
+    shard's handle, recorded on the tape only: an op taking the handle would be
+    ordered after every earlier use of that shard by tf.function's automatic
+    control dependencies, which would keep otherwise unused whole-table reads
+    (Keras reads the table's shape through one) alive in every step.
+    """
+    tape_lib.variable_accessed(table)
+    handle = tf.convert_to_tensor(table.handle)  # the captured one inside a tf.function
+    record.record_operation("HybridTableRead", [output], [handle],
+                            lambda dy: [gradient(dy)])
+
+
+@contextlib.contextmanager
+def _ids_checked_for(table):
+    """Lookups of `table` in this block skip the id check: the layer has done it."""
+    outer = getattr(_LAYER_CHECKED, "tables", ())
+    _LAYER_CHECKED.tables = outer + (table,)
+    try:
+        yield
+    finally:
+        _LAYER_CHECKED.tables = outer
+
+
+def _ids_checked_by_layer(table):
+    return any(checked is table for checked in getattr(_LAYER_CHECKED, "tables", ()))
+
+
+def _checked(unique_ids, table):
+    return checked_ids(unique_ids, table.shape[0], f"table {table.path}")
+
+
+def checked_ids(ids, num_rows, what):
+    """`ids` once checked to be whole numbers in [0, num_rows); else a clear error.
+
+    Integer ids are checked for their range; float ids (Keras' Embedding layers
+    cast them to int32, truncating) must also have no fractional part. `what`
+    names the table in the message, e.g. "table words/embeddings".
+    """
+    if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+        return ids.with_values(checked_ids(ids.values, num_rows, what))
+    ids = tf.convert_to_tensor(ids)
+    if not (ids.dtype.is_integer or ids.dtype.is_floating):
+        raise TypeError(f"embedding ids for {what} must be integers (int32 or int64), "
+                        f"got {ids.dtype.name}.")
+    message = (f"embedding id out of range for {what} ({num_rows} rows): ids must be "
+               f"in [0, {num_rows})")
+    # One assertion for both bounds: each is a stateful op, which tf.function orders
+    # after every other one traced before it on the same task (communication/side_effects.py).
+    in_range = tf.logical_and(ids >= 0, ids < tf.cast(num_rows, ids.dtype))
+    checks = [tf.debugging.Assert(tf.reduce_all(in_range), [message, "ids:", ids])]
+    if ids.dtype.is_floating:
+        checks.append(tf.debugging.assert_equal(
+            ids, tf.floor(ids),
+            message=f"embedding ids for {what} must be whole numbers, got {ids.dtype.name} "
+                    "ids with a fractional part: pass integer ids (int32 or int64)"))
+    with tf.control_dependencies(checks):
+        return tf.identity(ids)
+
+
+def _gather_rows(requests, exporting=False):
+    """Rows for distinct ids of each `(table, unique ids)`: each shard gathers its own on
+    its PS, every PS task in parallel, with one exchange per task (`_fetch`)."""
+    if exporting:
+        return [gen_resource_variable_ops.resource_gather(
+                    table.saving_variable.handle, unique_ids, dtype=table.dtype)
+                for table, unique_ids in requests]
+    wanted = collections.OrderedDict()  # PS device -> [((request, shard), local ids)]
+    positions = []
+    for i, (table, unique_ids) in enumerate(requests):
+        if table.num_shards == 1:
+            local_ids, positions_i = [unique_ids], None
+        else:
+            shard, local = shard_of(unique_ids, table.num_shards)
+            local_ids = tf.dynamic_partition(local, shard, table.num_shards)
+            positions_i = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard,
+                                               table.num_shards)
+        positions.append(positions_i)
+        for k, ids in enumerate(local_ids):
+            wanted.setdefault(table.shards[k].device, []).append(((i, k), ids))
+    fetched = {}
+    for device, parts in wanted.items():
+        rows = _fetch(device, [(requests[i][0], k, ids) for (i, k), ids in parts])
+        fetched.update(zip((key for key, _ in parts), rows))
+    rows = []
+    for i, ((table, _), positions_i) in enumerate(zip(requests, positions)):
+        parts = [fetched[(i, k)] for k in range(table.num_shards)]
+        rows.append(parts[0] if positions_i is None else tf.dynamic_stitch(positions_i, parts))
+    return rows
+
+
+def _fetch(device, parts):
+    """Gathers the rows of `(table, shard number, local ids)` parts on `device`, their
+    PS task; parts whose rows are alike in dtypes cross both ways as one tensor
+    (communication/wire.py), rows in the table's `wire_dtype`."""
+    rows = [None] * len(parts)
+    for (dtype, wire_dtype), members in wire.alike(
+            (table.dtype, table.wire_dtype) for table, _, _ in parts):
+        group = [parts[j] for j in members]
+        if len(group) == 1 and wire_dtype is None:
+            table, k, ids = group[0]
+            with tf.device(device):
+                rows[members[0]] = gen_resource_variable_ops.resource_gather(
+                    table.shards[k].handle, ids, dtype=dtype)
+            continue
+        packed_ids, counts = wire.pack_ids([ids for _, _, ids in group])
+        with tf.device(device):
+            local_ids, _ = wire.unpack_ids(packed_ids, [ids.dtype for _, _, ids in group])
+            packed_rows = wire.pack_values(
+                [gen_resource_variable_ops.resource_gather(table.shards[k].handle, ids,
+                                                           dtype=dtype)
+                 for (table, k, _), ids in zip(group, local_ids)], wire_dtype)
+        unpacked = wire.unpack_values(packed_rows, counts,
+                                      [table.shape[1:] for table, _, _ in group], dtype)
+        for j, part in zip(members, unpacked):
+            rows[j] = part
+    return rows
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedTable})
+def _embedding_lookup(params, ids, max_norm=None, name=None):
+    if max_norm is not None:
+        raise ValueError(
+            f"embedding_lookup(max_norm=...) is not supported on PS table {params.path}; "
+            "clip the looked-up rows yourself, or place the table 'mirrored'.")
+    return lookup(params, ids, name=name)
+
+
+@tf.experimental.dispatch_for_api(tf.shape, {"input": ShardedTable})
+def _table_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
+    # The static shape: converting the table would read every row (and in a
+    # tf.function that read would run every step, unused or not).
+    return tf.constant(input.shape.as_list(), dtype=out_type or tf.int32, name=name)
+
+
+def remember_gradient(tensor, table, distinct=False):
+    """Notes that `tensor` (a lookup's unique ids, a read's gradient) is `table`'s, and
+    whether its ids are `distinct` (see `distinct_rows`)."""
+    if not tf.executing_eagerly():
+        _LOOKUPS.setdefault(tensor.graph, {})[tensor.name] = table
+        if distinct:
+            _DISTINCT.setdefault(tensor.graph, set()).add(tensor.name)
+    return tensor
+
+
+def distinct_rows(indices):
+    """Whether `indices` are one lookup's unique ids (the gradient of a single lookup),
+    so that no row repeats; False when that is not known."""
+    if tf.executing_eagerly() or not hasattr(indices, "graph"):
+        return False
+    return indices.name in _DISTINCT.get(indices.graph, ())
+
+
+def table_of_gradient(tensor, depth=6):
+    """The PS table a gradient belongs to, from its indices (sparse) or itself (dense).
+
+    None when the gradient was not produced by this module's reads alone (for
+    instance the tape summed a lookup's and a whole read's gradients).
+    """
+    if tf.executing_eagerly() or not hasattr(tensor, "graph"):
+        return None
+    lookups = _LOOKUPS.get(tensor.graph)
+    if not lookups:
+        return None
+    return _resolve(tensor, lookups, depth)
+
+
+def _resolve(tensor, lookups, depth):
+    if tensor.name in lookups:
+        return lookups[tensor.name]
+    if depth == 0:
+        return None
+    op = tensor.op
+    if op.type in _PASS_THROUGH_OPS:
+        return _resolve(op.inputs[0], lookups, depth - 1)
+    if op.type == "ConcatV2":  # the tape merging several lookups of one table
+        tables = {id(t): t for t in
+                  (_resolve(x, lookups, depth - 1) for x in op.inputs[:-1])}
+        if len(tables) == 1 and None not in tables.values():
+            return next(iter(tables.values()))
+    return None
+
+
+def install_keras_hook():
+    """Lets Keras 3 variables that wrap a PS table use the table's row reads.
+
+    - `tf.gather(params, ids)` calls `params.sparse_read(ids)` when it exists. Keras 3
+      variables have none, so their gather would read the whole table first; this
+      adds one that exists only for variables wrapping a PS table (or made one by
+      an `on_row_read` handler).
+    - `tf.nn.embedding_lookup` of such a variable takes the same route (TensorFlow
+      would convert it to one dense tensor first).
+    - `tf.shape` of a Keras 3 variable (Keras' `ops.take` asks for it) is answered
+      from the static shape instead of converting, i.e. reading, the variable.
+    - Keras' SavedModel export (`model.export`, `keras.export.ExportArchive`)
+      traces its endpoints for export, reading tables whole (`tracing_for_export`).
+    """
+    import keras
+    # Keras-private: the SavedModel export archive whose `write_out` traces the
+    # endpoints before it calls `tf.saved_model.save`.
+    from keras.src.export import saved_model_export_archive
+
+    archive_class = saved_model_export_archive.SavedModelExportArchive
+    if not hasattr(archive_class.write_out, "_reads_tables_whole"):
+        write_out = archive_class.write_out
+
+        def write_out_reading_tables_whole(self, *args, **kwargs):
+            with tracing_for_export():
+                return write_out(self, *args, **kwargs)
+
+        write_out_reading_tables_whole._reads_tables_whole = True
+        archive_class.write_out = write_out_reading_tables_whole
+
+    variable_class = keras.Variable
+    if "sparse_read" in variable_class.__dict__:
+        return
+
+    def sparse_read(self):
+        value = _table_for_row_read(self)
+        if value is None:
+            raise AttributeError("sparse_read")
+        return value.sparse_read
+
+    variable_class.sparse_read = property(sparse_read)
+    dispatch.register_dispatchable_type(variable_class)
+
+    @tf.experimental.dispatch_for_api(tf.shape, {"input": variable_class})
+    def _keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
+        value = input._value if is_table(getattr(input, "_value", None)) else input.value
+        if value.shape.is_fully_defined():
+            # Static, without reading the variable: `ops.take` asks before the row
+            # read, which may move the variable to a PS (`on_row_read`).
+            return tf.constant(value.shape.as_list(), dtype=out_type or tf.int32, name=name)
+        return tf.shape(value, out_type=out_type, name=name)
+
+    @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": variable_class})
+    def _keras_variable_embedding_lookup(params, ids, max_norm=None, name=None):
+        # TensorFlow would read a Keras variable whole before gathering.
+        value = _table_for_row_read(params)
+        return tf.nn.embedding_lookup(params.value if value is None else value, ids,
+                                      max_norm=max_norm, name=name)
+
+
+def _table_for_row_read(keras_variable):
+    """The PS table a Keras 3 variable read by row wraps (after `on_row_read`
+    handlers had their say), or None."""
+    value = getattr(keras_variable, "_value", None)
+    for handler in _ROW_READ_HANDLERS if not is_table(value) else ():
+        value = handler(keras_variable) or value
+    return value if is_table(value) else None
+
+
+def on_row_read(handler):
+    """Registers `handler(keras_variable)`, called when `tf.gather` reads by row a
+    Keras 3 variable that wraps no PS table; it returns a table to read instead (the
+    variable now wraps it) or None. Registering the same handler twice is a no-op."""
+    if handler not in _ROW_READ_HANDLERS:
+        _ROW_READ_HANDLERS.append(handler)
+
+
+def check_embedding_ids(embedding_class, applies):
+    """Makes `embedding_class` check its ids while `applies()` (under HybridStrategy).
+
+    Keras 3 turns a negative id -i into row `rows - i` before it reaches the table
+    (numpy's `take`), and either flavour casts float ids to int32. Checked here,
+    before that, a bad id gets the same error whether its table is on a PS or
+    mirrored: out of range, or not a whole number.
+    """
+    if getattr(embedding_class.call, "_checks_ids", False):
+        return
+    call = embedding_class.call
+
+    # Keras reads which arguments `call` takes from its signature: this one's is
+    # Embedding.call's own, (self, inputs), in Keras 3 and tf_keras.
+    @functools.wraps(call)
+    def call_checking_ids(self, inputs):
+        if not applies():
+            return call(self, inputs)
+        inputs = checked_layer_ids(self, inputs)
+        with _ids_checked_for(getattr(self.embeddings, "_value", self.embeddings)):
+            return call(self, inputs)
+
+    call_checking_ids._checks_ids = True
+    embedding_class.call = call_checking_ids
+
+
+def checked_layer_ids(layer, ids):
+    """`checked_ids` of an Embedding layer's ids, naming its table."""
+    return checked_ids(ids, layer.input_dim, f"table {_path_of(layer.embeddings)}")
+
+
+def _path_of(weight):
+    """A weight's name as users see it in `model.weights`: Keras 3's path (which a PS
+    table's path is too), or tf_keras' variable name without its ":0"."""
+    return getattr(weight, "path", None) or weight.name.rsplit(":", 1)[0]
