@@ -17,13 +17,8 @@ print(strategy.placement)
 ```
 """
 
-import atexit
-import contextlib
 import functools
-import inspect
 import itertools
-import warnings
-import weakref
 
 import tensorflow as tf
 
@@ -33,52 +28,35 @@ import tensorflow as tf
 # the update/merge plumbing).
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import numpy_dataset
 from tensorflow.python.distribute import values as values_lib
 # TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution).
 from tensorflow.python.ops import control_flow_util_v2
-# TF-private: the registry whose absence makes a traced function skip removing itself
-# from the eager context when it is garbage-collected (see _keep_functions_at_exit).
-from tensorflow.python.eager.polymorphic_function import atomic_function
-# TF-private: ResourceVariable made directly skips the variable creator stack, for
-# the shards of a table that replaces a mirrored variable during a traced step.
-from tensorflow.python.ops import resource_variable_ops
 
 from hybrid_strategy.asynchronous import training as asynchronous_lib
+from hybrid_strategy.cluster import config as cluster_lib
+from hybrid_strategy.cluster import connection
+from hybrid_strategy.cluster import data_service
+from hybrid_strategy.cluster import liveness
+from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.communication import hierarchical_allreduce
+from hybrid_strategy.communication import routing
+from hybrid_strategy.input import service_input
+from hybrid_strategy.input import worker_input
 from hybrid_strategy.keras_integration import batches
 from hybrid_strategy.keras_integration import install
-from hybrid_strategy.cluster import config as cluster_lib
-from hybrid_strategy.communication import aggregation as communication
-from hybrid_strategy.placement import creation
-from hybrid_strategy.cluster import data_service
-from hybrid_strategy.communication import hierarchical_allreduce
-from hybrid_strategy.cluster import liveness
+from hybrid_strategy.options import StrategyOptions
+from hybrid_strategy.placement import variables
 from hybrid_strategy.tables import mirrored_reads
-from hybrid_strategy.placement import mirroring
-from hybrid_strategy.tables import penalties
-from hybrid_strategy.placement import plan as placement_lib
-from hybrid_strategy.input import service_input
-from hybrid_strategy.communication import side_effects
-from hybrid_strategy.tables import sparse_optimizers
 from hybrid_strategy.tables import table as table_lib
-from hybrid_strategy.communication import wire
-from hybrid_strategy.input import worker_input
+from hybrid_strategy.tables import updates
 
-_LOCAL_CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
-_CHIEF_JOB = "chief"
-# The cluster this process is connected to: TensorFlow keeps one per process.
-_connected_cluster = None
 # Collective group keys: TensorFlow's MirroredStrategy and MultiWorkerMirroredStrategy
 # start theirs at 1, so a HybridStrategy in the same process starts far above, each
 # with room for as many groups (sets of devices) as it could need.
 _collective_key_bases = itertools.count(1 << 24, 1 << 12)
-
-
-PlacementWarning = placement_lib.PlacementWarning
 
 
 class HybridStrategy(tf.distribute.MirroredStrategy):
@@ -158,13 +136,8 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             what a step and the logs are then). Off by default.
     """
 
-    def __init__(self, cluster_resolver=None, *, architecture="hybrid",
-                 placement_overrides=None, min_shard_bytes=placement_lib.DEFAULT_MIN_SHARD_BYTES,
-                 table_shards=None,
-                 max_mirrored_bytes=placement_lib.DEFAULT_MAX_MIRRORED_BYTES,
-                 sparse_update="lazy", wire_dtype=None, devices=None,
-                 communication_options=None, connect_timeout=60.0, task_timeout=60.0,
-                 asynchronous=False):
+    def __init__(self, cluster_resolver=None, **options):
+        options = StrategyOptions.from_kwargs(options)
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
         else:
@@ -172,15 +145,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
         # Collective instances are keyed by group; a group used by an earlier
         # strategy keeps that strategy's tensor shapes, so each gets its own.
         self._collective_key_base = next(_collective_key_bases)
-        extended = HybridExtended(
-            self, config, architecture=architecture,
-            placement_overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes,
-            sparse_update=sparse_update,
-            wire_dtype=wire_dtype, devices=devices,
-            communication_options=communication_options,
-            connect_timeout=connect_timeout, task_timeout=task_timeout,
-            asynchronous=asynchronous)
+        extended = HybridExtended(self, config, options)
         # MirroredStrategy.__init__ would build its own extended object.
         tf.distribute.Strategy.__init__(self, extended)
 
@@ -205,7 +170,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
     @property
     def gradient_types(self):
         """`{variable path: "sparse" | "dense"}` as seen in traced training steps."""
-        return dict(self.extended.gradient_types)
+        return dict(self.extended.placer.gradient_types)
 
     @property
     def ps_aggregated(self):
@@ -216,10 +181,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 class HybridExtended(mirrored_strategy.MirroredExtended):
     """The strategy's implementation: placement, sparse aggregation, PS updates."""
 
-    def __init__(self, container_strategy, config, *, architecture,
-                 placement_overrides, min_shard_bytes, table_shards, max_mirrored_bytes,
-                 sparse_update, wire_dtype, devices, communication_options, connect_timeout,
-                 task_timeout, asynchronous):
+    def __init__(self, container_strategy, config, options):
         # MirroredExtended.__init__ refuses remote devices in eager mode; the
         # fields it would set are set here instead.
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -227,34 +189,19 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._collective_key_base = container_strategy._collective_key_base
         self._cross_device_ops = None
         # Every argument is checked before this process connects to anything.
-        self.policy = placement_lib.PlacementPolicy(
-            architecture, num_ps=config.num_ps if config else 0,
-            overrides=placement_overrides, min_shard_bytes=min_shard_bytes,
-            table_shards=table_shards, max_mirrored_bytes=max_mirrored_bytes,
-            asynchronous=asynchronous)
+        self.policy = options.placement_policy(config.num_ps if config else 0)
         # Asynchronous steps run on one worker each: while the strategy works for one
         # (`WorkerScope`), it replicates over that worker's devices only.
-        self.worker_scope = asynchronous_lib.WorkerScope() if asynchronous else None
+        self.worker_scope = asynchronous_lib.WorkerScope() if options.asynchronous else None
         # One object: TF's batch reduction refuses values whose cross-device ops differ.
         self._worker_reduction = cross_device_ops_lib.ReductionToOneDevice()
-        if sparse_update not in sparse_optimizers.MODES:
-            raise ValueError(f"sparse_update={sparse_update!r}; use one of "
-                             f"{sparse_optimizers.MODES}.")
-        self.sparse_update = sparse_update
-        self.wire_dtype = wire.check_wire_dtype(wire_dtype)
-        if config is None:
-            worker_devices, ps_devices = _local_devices(devices), [_LOCAL_CPU]
-        else:
-            if devices is not None:
-                raise ValueError(
-                    "devices= is for single-machine mode; with a cluster, the "
-                    "replicas are every worker's devices. Remove devices= or unset "
-                    "TF_CONFIG.")
-            _check_cluster(config, architecture)
-            worker_devices, ps_devices = _connect(config, connect_timeout)
-            if task_timeout is not None:
-                liveness.HealthMonitor(config, task_timeout, liveness.exit_on_lost_task,
-                                       services=data_service.watched()).start()
+        self.sparse_update = options.sparse_update
+        self.wire_dtype = options.wire_dtype
+        worker_devices, ps_devices = connection.devices(
+            config, options.architecture, options.devices, options.connect_timeout)
+        if config is not None and options.task_timeout is not None:
+            liveness.HealthMonitor(config, options.task_timeout, liveness.exit_on_lost_task,
+                                   services=data_service.watched()).start()
         self._ps_devices = ps_devices
         self._devices = tuple(worker_devices)
         hosts = {}
@@ -273,9 +220,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             self._communication_options = self._communication_options.merge(chosen)
         # TF-private: the per-replica collective launchers of CollectiveAllReduce.
         _assign_instance_keys_when_traced(getattr(self._collective_ops, "_launchers", ()))
-        if communication_options is not None:
+        if options.communication_options is not None:
             self._communication_options = self._communication_options.merge(
-                communication_options)
+                options.communication_options)
         self._dense_all_reduce = None
         if hierarchical_allreduce.applies(
                 self._devices, self._communication_options.implementation.value):
@@ -286,22 +233,10 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._inferred_cross_device_ops = self._collective_ops
         self.experimental_enable_get_next_as_optional = True
         self._use_var_policy = False
-        # Mirrored variable -> its VariableInfo, and mirrored variable or table ->
-        # the Keras 3 slots made beside it (weak references), for moving it to a PS
-        # when it is read by row; table -> its Keras 3 variable, for moving it to
-        # mirrored when its gradient is dense (`mirror_dense_tables`).
-        self._variable_infos = {}
-        self._slots_of = {}
-        self._keras_variables = {}
-        # Path -> PS table found to get a dense gradient in Keras' first step.
-        self._dense_tables = {}
-        self._mirroring_after_step = False
-        self._overrides_checked = False
-        self.gradient_types = {}
+        self.placer = variables.Placer(self, self.policy)
         self.ps_aggregated = set()
         self.step_batch_sizes = None
-        install.install_all(HybridStrategy)
-        side_effects.order_per_task()
+        install.install_all(HybridStrategy, connected=config is not None)
 
     @property
     def _devices(self):
@@ -415,106 +350,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     # Variable creation -------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        colocate_with = kwargs.get("colocate_with")
-        context = creation.creation_context()
-        if self.worker_scope and asynchronous_lib.is_shared(colocate_with):
-            return asynchronous_lib.create_shared(
-                next_creator, kwargs, colocate_with.device, self._container_strategy(),
-                self.replicas_per_worker)
-        if colocate_with is not None:
-            # An optimizer slot: a PS table's is sharded exactly like the table, a
-            # mirrored variable's is mirrored; Keras 3's move with their variable.
-            if table_lib.is_table(colocate_with):
-                kwargs.pop("colocate_with")
-                path = f"{colocate_with.path}/{kwargs.get('name') or 'slot'}"
-                slot = self._create_table(next_creator, kwargs, path, colocate_with.shape,
-                                          colocate_with.devices, context.initializer)
-            else:
-                slot = super()._create_variable(next_creator, **kwargs)
-            if context.keras_variable is not None:
-                self._slots_of.setdefault(colocate_with.ref(), []).append(
-                    weakref.ref(context.keras_variable))
-            return slot
-        info = creation.describe_variable(kwargs, context)
-        decided = self.policy.decide(info)
-        if decided.kind == placement_lib.PS:
-            devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
-            table = self._create_table(next_creator, kwargs, info.path, info.shape,
-                                       devices, context.initializer)
-            if context.keras_variable is not None:
-                self._keras_variables[table.ref()] = weakref.ref(context.keras_variable)
-            return table
-        if (decided.kind == placement_lib.SHARED
-                and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
-            return asynchronous_lib.create_shared(
-                next_creator, kwargs, self._ps_devices[decided.shards[0].task or 0],
-                self._container_strategy(), self.replicas_per_worker)
-        variable = super()._create_variable(next_creator, **kwargs)
-        self._variable_infos[variable.ref()] = info
-        return variable
-
-    def _create_table(self, next_creator, kwargs, path, shape, devices, initializer,
-                      table_class=table_lib.ShardedTable):
-        """A ShardedTable of one shard variable per device in `devices` (shard k: k::S)."""
-        dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
-        initial_values = table_lib.shard_initial_values(
-            kwargs["initial_value"], initializer, shape, dtype, len(devices))
-        name = kwargs.get("name") or path.rsplit("/", 1)[-1]
-        shards = []
-        for k, (device, rows, initial_value) in enumerate(
-                zip(devices, placement_lib.shard_rows(tf.TensorShape(shape)[0], len(devices)),
-                    initial_values)):
-            shard_kwargs = dict(kwargs, initial_value=initial_value,
-                                name=f"{name}/part_{k}" if len(devices) > 1 else name)
-            if shard_kwargs.get("shape") is not None:
-                shard_kwargs["shape"] = tf.TensorShape([rows]).concatenate(
-                    tf.TensorShape(shape)[1:])
-            with tf.device(device):
-                shards.append(next_creator(**shard_kwargs))
-        return table_class(shards, path, name=name, wire_dtype=self.wire_dtype)
-
-    def move_to_ps(self, keras_variable):
-        """Moves a mirrored Keras 3 variable that is read by row onto the PS.
-
-        Called at its first row read (`tf.gather`, `ops.take`,
-        `tf.nn.embedding_lookup`), which in training is the first traced step,
-        before its gradient exists: its value and its optimizer slots' values
-        become PS tables sharded as the policy decides, and the Keras variable
-        (and slots) wrap those from then on. Returns the table, or None when the
-        variable stays mirrored (pinned by an override, `architecture=
-        "allreduce"`, not trainable, or not made by this strategy).
-        """
-        mirrored = keras_variable._value
-        info = self._variable_infos.get(mirrored.ref())
-        if info is None or not mirrored.trainable:
-            return None
-        decided = self.policy.move_to_ps(info, "read by row (moved at its first read)")
-        if decided is None:
-            return None
-        devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
-        slots = [s() for s in self._slots_of.pop(mirrored.ref(), ()) if s() is not None]
-        with tf.init_scope():
-            table = self._table_from(
-                mirrored, info.path, devices,
-                functools.partial(_MovedTable, replaced_id=mirrored._unique_id))
-            for slot in slots:
-                slot._value = self._table_from(
-                    slot._value, f"{info.path}/{slot.name}", devices, table_lib.ShardedTable)
-        keras_variable._value = table
-        self._keras_variables[table.ref()] = weakref.ref(keras_variable)
-        self._slots_of[table.ref()] = [weakref.ref(slot) for slot in slots]
-        # The mirrored copies are not kept (the table is the variable now).
-        del self._variable_infos[mirrored.ref()]
-        return table
-
-    def _table_from(self, mirrored, path, devices, table_class):
-        """A PS table holding the current value of `mirrored` (one replica's copy)."""
-        value = mirrored.values[0].read_value()
-        kwargs = dict(initial_value=value, dtype=mirrored.dtype,
-                      trainable=mirrored.trainable, name=path.rsplit("/", 1)[-1])
-        return self._create_table(
-            lambda **kw: resource_variable_ops.ResourceVariable(**kw), kwargs, path,
-            mirrored.shape, devices, None, table_class)
+        return self.placer.create(next_creator, kwargs,
+                                  functools.partial(super()._create_variable, next_creator))
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):
@@ -531,217 +368,19 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     # Gradient aggregation ----------------------------------------------------
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        results = [None] * len(value_destination_pairs)
-        collective, sparse, tables, shard_sums, penalty_of = [], [], {}, {}, {}
-        for i, (value, destinations) in enumerate(value_destination_pairs):
-            tables[i] = table = _table_of_gradient(value)
-            if table is None:
-                collective.append(i)
-                continue
-            components = _components(value)
-            self._record_gradient_type(table, isinstance(components[0], tf.IndexedSlices))
-            if isinstance(components[0], tf.IndexedSlices):
-                components, penalty = penalties.without_markers(components, table)
-                sparse.append((i, (components, table)))
-                penalty_of[i] = penalty
-            else:
-                shard_sums[i] = communication.sum_dense(components, self._devices, table)
-        # Every table's rows at once: a worker's parts bound for one PS cross together.
-        sums = communication.sum_sparse([pair for _, pair in sparse], self._devices)
-        shard_sums.update((i, penalties.with_gradient(s, penalty_of[i], tables[i]))
-                          for (i, _), s in zip(sparse, sums))
-        for i, sums in shard_sums.items():
-            table = tables[i]
-            if reduce_op == tf.distribute.ReduceOp.MEAN:
-                sums = [_scaled(s, 1.0 / self._num_replicas_in_sync) for s in sums]
-            total = communication.shard_summed(sums, table)
-            results[i] = values_lib.Mirrored((total,) * self._num_replicas_in_sync)
-            self.ps_aggregated.add(table.path)
-        # A PS table as destination (tf_keras names the variables) would make TF
-        # reduce value by value; its update reads one replica's copy anyway.
-        pairs = {i: (value, value if table_lib.is_table(destinations) else destinations)
-                 for i, (value, destinations) in
-                 ((i, value_destination_pairs[i]) for i in collective)}
-        per_worker = [i for i in collective if self._dense_all_reduce is not None
-                      and self._dense_all_reduce.accepts(_components(pairs[i][0]),
-                                                         pairs[i][1])]
-        if per_worker:
-            reduced = self._dense_all_reduce.all_reduce(
-                reduce_op, [_components(pairs[i][0]) for i in per_worker], options)
-            for i, values in zip(per_worker, reduced):
-                results[i] = distribute_utils.regroup(tuple(values), values_lib.Mirrored)
-        collective = [i for i in collective if i not in per_worker]
-        if collective:
-            reduced = super()._batch_reduce_to(reduce_op, [pairs[i] for i in collective],
-                                               options)
-            for i, value in zip(collective, reduced):
-                results[i] = _merge_duplicate_rows(value)
-        return results
+        return routing.batch_reduce(self, reduce_op, value_destination_pairs, options,
+                                    super()._batch_reduce_to)
 
     # Updates -----------------------------------------------------------------
 
     def _update(self, var, fn, args, kwargs, group):
-        self._note_gradient_type(var, args)
+        self.placer.note_gradient_type(var, args)
         if table_lib.is_table(var):
-            return self._update_table(var, fn, args, kwargs, group)
+            return updates.update_table(self, var, fn, args, kwargs, group)
         if not isinstance(var, values_lib.DistributedVariable):
             return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
         mirrored_reads.forget(var)
         return super()._update(var, fn, args, kwargs, group)
-
-    def _update_table(self, table, fn, args, kwargs, group):
-        """Runs an optimizer's update of a PS table on its ps tasks (tables/sparse_optimizers.py).
-
-        Other updates (assignments) run `fn` on the table itself, whose methods
-        write each shard on its own device.
-        """
-        args = distribute_utils.select_replica(0, args)
-        kwargs = distribute_utils.select_replica(0, kwargs)
-        optimizer = _optimizer_of(fn)
-        grad = args[0] if args else None
-        if optimizer is not None and isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
-            sparse_optimizers.check(optimizer, table.path)
-            # Not in an update context: writes of mirrored optimizer state (tf_keras'
-            # Adafactor and Nadam) then reach every replica's copy.
-            result = sparse_optimizers.update_table(
-                optimizer, fn, table, _shard_gradients(grad, table), args[1:], kwargs,
-                mode=self.sparse_update, concurrent=self.worker_scope is not None)
-        elif optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
-            sparse_optimizers.check(optimizer, table.path)
-            result = sparse_optimizers.decay_table(optimizer, fn, table,
-                                                   mode=self.sparse_update,
-                                                   concurrent=self.worker_scope is not None)
-        else:
-            with distribute_lib.UpdateContext(0):
-                result = fn(table, *args, **kwargs)
-        return distribute_utils.update_regroup(self, [result], group)
-
-    def _note_gradient_type(self, var, args):
-        """Records each trainable variable's gradient type; warns once on a misfit."""
-        if not args:
-            return
-        grad = distribute_utils.select_replica(0, args[0])
-        if isinstance(grad, (tf.Tensor, tf.IndexedSlices)):
-            self._record_gradient_type(var, isinstance(grad, tf.IndexedSlices))
-
-    def _record_gradient_type(self, var, sparse):
-        """Records a trainable variable's gradient type in a traced training step.
-
-        A PS table's type is what its replicas' gradients are (`_batch_reduce_to`
-        records it before a penalty's gradient is added on the PS). A misfit is
-        warned about once; a PS table with a dense gradient in Keras' first step is
-        noted for `mirror_dense_tables` instead.
-        """
-        # Eager updates are assignments (set_weights, restores), not training steps.
-        if not tf.inside_function() or not getattr(var, "trainable", False):
-            return
-        self._check_overrides_once()
-        if table_lib.is_table(var):
-            path, kind = var.path, placement_lib.PS
-        else:
-            info = self._variable_infos.get(var.ref())
-            path, kind = info and info.path, placement_lib.MIRRORED
-        if path is None or path in self.gradient_types:
-            return
-        self.gradient_types[path] = "sparse" if sparse else "dense"
-        if kind == placement_lib.PS and not sparse and self._mirroring_after_step:
-            self._dense_tables[path] = var
-            return
-        advice = placement_lib.gradient_misfit(kind, sparse)
-        if advice:
-            _warn_misfit(path, f"{advice} (override with placement_overrides="
-                               f"{{'{path}': ...}})")
-
-    @contextlib.contextmanager
-    def mirroring_after_step(self):
-        """While Keras' first training step runs (placement/mirroring.py): PS tables found to get
-        a dense gradient are noted for `mirror_dense_tables`, not warned about."""
-        self._mirroring_after_step = True
-        try:
-            yield
-        finally:
-            self._mirroring_after_step = False
-
-    def mirror_dense_tables(self):
-        """Moves the PS tables noted in `mirroring_after_step` to mirrored; True if any moved.
-
-        A Keras 3 table moves with its value and optimizer slots (its Keras
-        variable and theirs wrap mirrored variables from then on), unless it stays
-        (`_stays_on_ps`); one that stays is warned about, saying why. The step must
-        then be traced again.
-        """
-        tables, self._dense_tables = self._dense_tables, {}
-        moved = False
-        for path, table in tables.items():
-            why = self._stays_on_ps(table)
-            if why is not None:
-                _warn_misfit(path, "is on a PS but gets a dense gradient: the whole "
-                                   f"variable crosses the network every step. It stays "
-                                   f"on the PS: {why}")
-                continue
-            self.policy.move_to_mirrored(path, "dense gradient (moved after the first step)")
-            keras_variable = self._keras_variables.pop(table.ref())()
-            slots = [ref() for ref in self._slots_of.pop(table.ref(), ())]
-            with tf.init_scope():
-                mirrored = mirroring.mirrored_copy(self, table, replaced_id=table._unique_id)
-                for slot in (slot for slot in slots if slot is not None):
-                    slot._value = mirroring.mirrored_copy(self, slot._value)
-            keras_variable._value = mirrored
-            self._variable_infos[mirrored.ref()] = placement_lib.VariableInfo(
-                path, tuple(table.shape.as_list()), table.dtype.size)
-            moved = True
-        return moved
-
-    def _stays_on_ps(self, table):
-        """Why a PS table with a dense gradient cannot move to mirrored, or None."""
-        keras_variable = self._keras_variables.get(table.ref(), lambda: None)()
-        if keras_variable is None:
-            return "it is not the value of a Keras 3 variable, which could be replaced"
-        slots = sum(s() is not None for s in self._slots_of.get(table.ref(), ()))
-        replicas = max(len(devices) for _, devices in self._input_workers_devices)
-        nbytes = table.shape.num_elements() * table.dtype.size
-        return self.policy.stays_on_ps(table.path, nbytes * (1 + slots) * replicas)
-
-    def _check_overrides_once(self):
-        """Warns, at the first traced training step, about overrides that matched nothing."""
-        if self._overrides_checked:
-            return
-        self._overrides_checked = True
-        unmatched = self.policy.unmatched_overrides()
-        if unmatched:
-            known = ", ".join(record.path for record in self.policy.plan)
-            warnings.warn(
-                f"HybridStrategy: placement_overrides pattern(s) {unmatched} match no "
-                "variable. Patterns match a variable's path as in model.weights, its "
-                f"'layer/variable' tail, or a layer name on the path; known paths: "
-                f"{known or '(none)'}.", PlacementWarning, stacklevel=3)
-
-
-def _warn_misfit(path, advice):
-    warnings.warn(f"HybridStrategy: variable '{path}' {advice}. Training stays correct.",
-                  PlacementWarning, stacklevel=4)
-
-
-class _MovedTable(table_lib.ShardedTable):
-    """A PS table that took a mirrored variable's place (`HybridExtended.move_to_ps`).
-
-    Keras 3 optimizers know a variable by its TensorFlow variable's `_unique_id`;
-    the table keeps the mirrored variable's, so the optimizer still finds its slots.
-    """
-
-    def __init__(self, shards, path, name=None, wire_dtype=None, *, replaced_id):
-        super().__init__(shards, path, name=name, wire_dtype=wire_dtype)
-        self._replaced_id = replaced_id
-
-    @property
-    def _unique_id(self):
-        return self._replaced_id
-
-
-def _components(value):
-    if isinstance(value, values_lib.DistributedValues):
-        return value.values
-    return (value,)
 
 
 def _assign_instance_keys_when_traced(launchers):
@@ -764,149 +403,4 @@ def _inside_while_loop():
         graph = getattr(graph, "outer_graph", None)
     return False
 
-
-def _table_of_gradient(value):
-    """The PS table every replica's gradient in `value` belongs to, or None."""
-    tables = set()
-    for component in _components(value):
-        key = component.indices if isinstance(component, tf.IndexedSlices) else component
-        table = table_lib.table_of_gradient(key) if tf.is_tensor(key) else None
-        if table is None:
-            return None
-        tables.add(table.ref())
-    return tables.pop().deref() if len(tables) == 1 else None
-
-
-def _scaled(gradient, factor):
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
-                                gradient.dense_shape)
-    return gradient * factor
-
-
-def _merge_duplicate_rows(value):
-    """All-gathered IndexedSlices repeat rows; optimizers like Adagrad need them once."""
-    components = _components(value)
-    if not isinstance(components[0], tf.IndexedSlices):
-        return value
-    merged = []
-    for component in components:
-        with tf.device(component.values.device):
-            merged.append(communication.merge_duplicates(component))
-    return values_lib.Mirrored(tuple(merged))
-
-
-def _shard_gradients(grad, table):
-    """The step's gradient of `table`, one part per shard with shard-local rows."""
-    sums = communication.shard_sums_of(grad)
-    if sums is not None:
-        return list(sums)
-    if isinstance(grad, tf.IndexedSlices):
-        (grad,), penalty = penalties.without_markers([grad], table)
-        parts = table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
-        return penalties.with_gradient(parts, penalty, table)
-    penalties.check_not_dropped(table)
-    return table_lib.split_dense(grad, table.num_shards)
-
-
-def _table_of(slot):
-    """Keras 3 wraps the slot's ShardedTable in a keras.Variable; tf_keras does not."""
-    return slot if table_lib.is_table(slot) else slot.value
-
-
-def _optimizer_of(fn):
-    """The optimizer whose update `fn` is: Keras and tf_keras pass a closure over it."""
-    fn = inspect.unwrap(fn)  # merge_call wraps it for autograph
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            candidate = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if hasattr(candidate, "iterations") and hasattr(candidate, "apply_gradients"):
-            return candidate
-    return None
-
-
-def _local_devices(devices):
-    if devices:
-        return [device_util.resolve(d) for d in devices]
-    return [g.name for g in tf.config.list_logical_devices("GPU")] or [_LOCAL_CPU]
-
-
-def _check_cluster(config, architecture):
-    if config.task_type not in (None, _CHIEF_JOB):
-        raise cluster_lib.ClusterConfigError(
-            f"This process is /job:{config.task_type}/task:{config.task_index} in "
-            "TF_CONFIG, but the training program runs on the chief only. Start "
-            f"{config.task_type} tasks with `python -m hybrid_strategy.server` and "
-            "run this program with TF_CONFIG's task set to {\"type\": \"chief\", "
-            "\"index\": 0}.")
-    if config.num_workers < 1:
-        raise cluster_lib.ClusterConfigError(
-            "The cluster has no `worker` task: HybridStrategy replicates training on "
-            "workers. Add at least one worker address to TF_CONFIG's cluster.")
-    if architecture in ("hybrid", "ps") and config.num_ps < 1:
-        raise cluster_lib.ClusterConfigError(
-            f"architecture={architecture!r} needs at least one `ps` task, but the "
-            f"cluster has {config.num_workers} worker(s) and no ps. Add ps addresses "
-            "to TF_CONFIG's cluster, or use architecture='allreduce'.")
-
-
-def _connect(config, timeout):
-    """Connects this process to the cluster; returns (worker devices, ps devices)."""
-    global _connected_cluster
-    spec = config.as_cluster_spec_dict()
-    if _connected_cluster is None:
-        cluster_lib.wait_until_servers_forgot_previous_chief()
-        cluster_lib.wait_for_tasks(config, timeout)
-        tf.config.experimental_connect_to_cluster(
-            tf.train.ClusterSpec(spec), job_name=_CHIEF_JOB, task_index=0,
-            protocol="grpc", make_master_device_default=False)
-        liveness.install_lost_task_hooks(config)
-        _connected_cluster = spec
-        atexit.register(_keep_functions_at_exit)
-    elif _connected_cluster != spec:
-        raise RuntimeError(
-            "This process is already connected to another cluster "
-            f"({_connected_cluster}); TensorFlow supports one per process. Create "
-            "every HybridStrategy of a program with the same cluster.")
-    worker_devices = _replica_devices(config.num_workers, tf.config.list_logical_devices())
-    ps_devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0"
-                  for i in range(config.num_ps)]
-    return worker_devices, ps_devices
-
-
-def _replica_devices(num_workers, devices):
-    """Each worker's replicas: its GPUs, else every CPU device its server exposes.
-
-    A server exposes one CPU device unless started with `--cpu-devices N`. Every
-    worker must have as many replicas (tf.distribute splits each global batch so).
-    """
-    per_worker = []
-    for index in range(num_workers):
-        on_task = [tf.DeviceSpec.from_string(d.name) for d in devices
-                   if d.name.startswith(f"/job:worker/replica:0/task:{index}/")]
-        gpus = [d for d in on_task if d.device_type == "GPU"]
-        cpus = [d for d in on_task if d.device_type == "CPU"]
-        chosen = sorted(gpus or cpus, key=lambda d: d.device_index)
-        per_worker.append([d.to_string() for d in chosen] or [
-            f"/job:worker/replica:0/task:{index}/device:CPU:0"])
-    counts = [len(replicas) for replicas in per_worker]
-    if len(set(counts)) > 1:
-        listed = ", ".join(f"worker {i}: {n}" for i, n in enumerate(counts))
-        raise cluster_lib.ClusterConfigError(
-            f"The workers have different numbers of replicas ({listed}); every worker needs "
-            "as many. Start every worker's server with the same --cpu-devices, or give "
-            "every worker as many GPUs.")
-    return [device for replicas in per_worker for device in replicas]
-
-
-def _keep_functions_at_exit():
-    """Lets the interpreter exit without removing traced functions one by one.
-
-    TensorFlow 2.21 cannot release a function whose parts run on remote tasks: each
-    removal at exit logs "Ignoring error status when releasing multi-device function
-    handle UNIMPLEMENTED" and frees nothing, so skip them; the process is ending.
-    """
-    atomic_function.RUNTIME_FUNCTION_REFS = None
 

@@ -25,9 +25,11 @@ from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.cluster import launch
 from hybrid_strategy.cluster import server
 from hybrid_strategy.input import service_input
-from hybrid_strategy import strategy as strategy_lib
+from hybrid_strategy.cluster import connection
 from runs import ROOT, Runs, environ
 from test_launch import gone
+
+pytestmark = pytest.mark.cluster
 
 TOLERANCE = 1e-5
 SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replicas_scenario.py")
@@ -135,14 +137,14 @@ def test_workers_with_different_numbers_of_replicas_are_refused():
     worker = "/job:worker/replica:0/task:{}/device:{}"
     same = devices(worker.format(0, "CPU:0"), worker.format(0, "CPU:1"),
                    worker.format(1, "CPU:1"), worker.format(1, "CPU:0"))
-    assert strategy_lib._replica_devices(2, same) == [
+    assert connection._replica_devices(2, same) == [
         worker.format(t, f"CPU:{d}") for t in (0, 1) for d in (0, 1)]
     gpus = devices(worker.format(0, "CPU:0"), worker.format(0, "GPU:0"))
-    assert strategy_lib._replica_devices(1, gpus) == [worker.format(0, "GPU:0")]
+    assert connection._replica_devices(1, gpus) == [worker.format(0, "GPU:0")]
     with pytest.raises(cluster.ClusterConfigError,
                        match=r"different numbers of replicas \(worker 0: 2, worker 1: 1\).*"
                              r"same --cpu-devices"):
-        strategy_lib._replica_devices(2, same[:3])
+        connection._replica_devices(2, same[:3])
 
 
 def test_the_all_reduce_is_ours_for_several_cpu_replicas_or_a_power_of_two_of_workers():

@@ -1,6 +1,6 @@
 """Installs every run-time patch (patches.py), once, after checking every target.
 
-`HybridStrategy()` calls `install_all(HybridStrategy)`: the versions in use are
+`HybridStrategy()` calls `install_all(HybridStrategy, connected)`: the versions in use are
 checked against the supported ranges, every patch's target against what it was
 written for, and only then is anything changed. Each patch acts only under its
 gate; the gates below tell a HybridStrategy from any other strategy.
@@ -8,7 +8,7 @@ gate; the gates below tell a HybridStrategy from any other strategy.
 ```python
 from hybrid_strategy import HybridStrategy
 from hybrid_strategy.keras_integration import install
-install.install_all(HybridStrategy)   # what HybridStrategy() does
+install.install_all(HybridStrategy, connected=False)   # what HybridStrategy() does alone
 ```
 """
 
@@ -17,6 +17,7 @@ import tensorflow as tf
 from hybrid_strategy import versions
 from hybrid_strategy.asynchronous import training as asynchronous_lib
 from hybrid_strategy.communication import clipping
+from hybrid_strategy.communication import side_effects
 from hybrid_strategy.input import end_of_data
 from hybrid_strategy.input import service_input
 from hybrid_strategy.keras_integration import batched_lookups
@@ -62,13 +63,15 @@ class Gates:
         """The table a Keras 3 variable read by row now wraps, if its strategy moved it."""
         strategy = getattr(keras_variable._value, "_distribute_strategy", None)
         if self.is_hybrid(strategy):
-            return strategy.extended.move_to_ps(keras_variable)
+            return strategy.extended.placer.move_to_ps(keras_variable)
         return None
 
 
-def install_all(strategy_class):
+def install_all(strategy_class, connected):
     """Checks the versions and every patch's target, then installs every patch once.
 
+    `connected`: whether this process is connected to a cluster (the chief); the
+    patches to come use it.
     Raises `versions.UnsupportedVersionError` (naming the installed and supported
     versions, and every target that differs) before anything is changed.
     """
@@ -97,3 +100,4 @@ def install_all(strategy_class):
         table_lib.check_embedding_ids(keras_module.layers.Embedding, gates.under_hybrid_strategy)
     # After the id checks: a table looked up at once returns its rows before them.
     batched_lookups.install(gates.in_replica_of_hybrid_strategy)
+    side_effects.order_per_task()

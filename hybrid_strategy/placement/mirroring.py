@@ -112,10 +112,10 @@ def _moving_after_first_call(model, function, extended):
 
     def first_call(data):
         try:
-            with extended.mirroring_after_step():
+            with extended.placer.mirroring_after_step():
                 return function(data)
         finally:
-            if extended.mirror_dense_tables():
+            if extended.placer.mirror_dense_tables():
                 # Every function traced so far reads the tables' old variables.
                 model.test_function = model.predict_function = None
                 model.make_train_function(force=True)
