@@ -21,7 +21,7 @@ _EXPORTS = {
     "ClusterConfig": "hybrid_strategy.cluster.config",
     "ClusterConfigError": "hybrid_strategy.cluster.config",
     "EXIT_TASK_LOST": "hybrid_strategy.cluster.config",
-    "data_service_address": "hybrid_strategy.data_service",
+    "data_service_address": "hybrid_strategy.cluster.data_service",
     "TaskUnreachableError": "hybrid_strategy.cluster.config",
     "Placement": "hybrid_strategy.placement.plan",
     "PlacementPlan": "hybrid_strategy.placement.plan",
