@@ -28,6 +28,8 @@ import pytest
 
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 VOCAB, SMALL_VOCAB, DIM, SEQ, BATCH, EPOCHS = 1001, 37, 8, 3, 32, 2
 # Small enough that the 32 KB table is dealt over every ps; the 592-byte one stays whole.
 MIN_SHARD_BYTES = 1024
@@ -339,10 +341,10 @@ def test_tf_keras_round_trip_and_reshard(tf_keras_reports):
 def test_row_blocks_restore_into_any_sharding_and_a_plain_variable(tmp_path, rows, saved,
                                                                    restored):
     import tensorflow as tf
-    from hybrid_strategy.tables import checkpointing
-
+    from hybrid_strategy.keras_integration import checkpoint_hooks
     from hybrid_strategy.tables import table as table_lib
-    checkpointing.install_hooks()
+
+    checkpoint_hooks.install()
     whole = np.arange(rows * 2, dtype="float32").reshape(rows, 2)
 
     def dealt(values, shards):

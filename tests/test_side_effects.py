@@ -1,15 +1,16 @@
-"""Side effects ordered per task (hybrid_strategy/communication/side_effects.py), read from a traced graph."""
+"""Side effects ordered per task (hybrid_strategy/communication/side_effects.py, registered by
+keras_integration/side_effect_hooks.py), read from a traced graph."""
 
 import tensorflow as tf
 
-from hybrid_strategy.communication import side_effects
+from hybrid_strategy.keras_integration import side_effect_hooks
 
 WORKER = "/job:worker/replica:0/task:{}/device:CPU:0"
 
 
 def _traced_checks():
     """The Assert ops of a function checking on task 0, task 1, then task 0 again."""
-    side_effects.order_per_task()
+    side_effect_hooks.order_per_task()
 
     @tf.function
     def checks(x):
@@ -30,7 +31,7 @@ def test_checks_on_one_task_stay_in_order_and_wait_for_no_other_task():
 
 
 def test_outputs_wait_for_this_process_only_and_every_check_still_runs():
-    side_effects.order_per_task()
+    side_effect_hooks.order_per_task()
 
     @tf.function
     def checks(x):
@@ -47,7 +48,7 @@ def test_outputs_wait_for_this_process_only_and_every_check_still_runs():
 
 
 def test_a_check_still_fails_the_function():
-    side_effects.order_per_task()
+    side_effect_hooks.order_per_task()
 
     @tf.function
     def check(x):

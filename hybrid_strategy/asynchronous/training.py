@@ -9,7 +9,8 @@ batches and applies its gradients to the PS variables itself, with no all-reduce
 wait for the other workers. The chief runs these functions from one thread per worker
 (TensorFlow releases the GIL while a function runs), so all workers train at once.
 
-What Keras sees (`model.fit`, Keras 3 and tf_keras):
+What Keras sees (`model.fit`, Keras 3 and tf_keras; keras_integration/asynchronous_hooks.py
+makes Keras use this module):
 - **A step** is one global batch, trained on one worker (split over its replicas), as
   `tf.distribute.ParameterServerStrategy` does: the update is that batch's, as on one
   device, but computed from variables that other workers' steps may have changed since
@@ -39,7 +40,6 @@ model.fit(dataset, epochs=3)
 
 import collections
 import contextlib
-import functools
 import threading
 import weakref
 
@@ -53,15 +53,12 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import input_ops
 from tensorflow.python.distribute import ps_values
 
-from hybrid_strategy import versions
-from hybrid_strategy.keras_integration import multi_step
 from hybrid_strategy.input import worker_input
 
 # Steps a worker may have in flight: one running and one queued, so that it starts its
 # next step without waiting for the chief.
 STEPS_IN_FLIGHT_PER_WORKER = 2
 _LIVE_RUNNERS = weakref.WeakSet()
-_installed = False
 
 
 # Which worker the strategy works for ------------------------------------------------
@@ -231,7 +228,8 @@ class AsyncIterator:
         return self.synchronous().element_spec
 
 
-def _synchronous(iterator):
+def synchronous_iterator(iterator):
+    """The synchronous distribution's iterator of `iterator`, or `iterator` itself."""
     return iterator.synchronous() if isinstance(iterator, AsyncIterator) else iterator
 
 
@@ -433,163 +431,3 @@ def join_all(cancel=False):
     """Waits for every step in flight in this process (see `AsyncTrainFunction.join`)."""
     for runner in list(_LIVE_RUNNERS):
         runner.join(cancel)
-
-
-# Keras ------------------------------------------------------------------------------------
-
-
-def install(asynchronous_scope):
-    """Makes Keras 3 (and tf_keras, when `tf.keras` is it) train asynchronously where it applies.
-
-    Args:
-        asynchronous_scope: `asynchronous_scope(strategy)` is the strategy's
-            `WorkerScope` if it trains asynchronously, else None.
-    """
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    _install_keras3(asynchronous_scope)
-    _install_saving_waits()
-    legacy = versions.legacy_keras()
-    if legacy is not None:
-        _install_tf_keras(legacy, asynchronous_scope)
-
-
-def _install_keras3(asynchronous_scope):
-    # Keras-private: the trainer that makes Keras 3's training, evaluation and
-    # prediction functions, and the epoch iterator whose guard ends every epoch.
-    from keras.src.backend.tensorflow import trainer as trainer_lib
-
-    trainer = trainer_lib.TensorFlowTrainer
-
-    def train_function(model, scope):
-        return AsyncTrainFunction(
-            [multi_step.keras3_function(model, model.train_step, trainer_lib, counted=True)
-             for _ in range(_num_workers(model))], scope, lambda: model.steps_per_execution,
-            lambda: multi_step.keras3_function(model, model.train_step, trainer_lib))
-
-    _train_asynchronously(trainer, asynchronous_scope, train_function)
-    for name in ("test_function", "predict_function"):
-        _wait_before(trainer, name, asynchronous_scope)
-    # Its guard ends every epoch, evaluation and prediction.
-    _join_at_the_end(trainer_lib.TFEpochIterator, "_distributed_dataset")
-
-
-def _train_asynchronously(model_class, asynchronous_scope, train_function):
-    """Makes `model_class.make_train_function` make `train_function(model, scope)` for a
-    model under an asynchronous strategy (whose `WorkerScope` is `scope`)."""
-    make_train = model_class.make_train_function
-
-    @functools.wraps(make_train)  # keeps the markers of other hooks on the method
-    def make_train_function(self, force=False):
-        scope = asynchronous_scope(self.distribute_strategy)
-        if scope is None or (self.train_function is not None and not force):
-            return make_train(self, force=force)
-        self.train_function = train_function(self, scope)
-        return self.train_function
-
-    model_class.make_train_function = make_train_function
-
-
-def _num_workers(model):
-    return len(model.distribute_strategy.extended._input_workers_devices)  # pylint: disable=protected-access
-
-
-def _wait_before(model_class, name, asynchronous_scope):
-    """Makes `model_class.make_<name>`'s function wait for the steps in flight, then run
-    on the synchronous iterator (Keras 3's prediction takes batches: they pass through)."""
-    make = getattr(model_class, f"make_{name}")
-
-    @functools.wraps(make)
-    def make_function(self, force=False):
-        make(self, force=force)
-        function = getattr(self, name)
-        if (asynchronous_scope(self.distribute_strategy) is not None
-                and not getattr(function, "_waits_for_steps", False)):
-            def wait_then_run(data):
-                join_all()
-                return function(_synchronous(data))
-
-            wait_then_run._waits_for_steps = True
-            setattr(self, name, wait_then_run)
-        return getattr(self, name)
-
-    setattr(model_class, f"make_{name}", make_function)
-
-
-def _join_at_the_end(iterator_class, dataset_attribute):
-    """Makes `iterator_class.catch_stop_iteration` (the guard around an epoch's steps)
-    wait for every step handed out when the dataset it iterates is asynchronous."""
-    catch_stop_iteration = iterator_class.catch_stop_iteration
-
-    @functools.wraps(catch_stop_iteration)
-    @contextlib.contextmanager
-    def joining_at_the_end(self):
-        if not isinstance(getattr(self, dataset_attribute, None), AsyncDataset):
-            with catch_stop_iteration(self):
-                yield
-            return
-        try:
-            with catch_stop_iteration(self):
-                yield
-        except BaseException:
-            join_all(cancel=True)
-            raise
-        join_all()
-
-    iterator_class.catch_stop_iteration = joining_at_the_end
-
-
-def _install_saving_waits():
-    """Checkpoints and weight files wait for the steps in flight: they hold every update."""
-    # TF-private: the saver behind tf.train.Checkpoint; Keras-private: the functions
-    # behind save_weights, save and load_weights.
-    from tensorflow.python.checkpoint import functional_saver
-    from keras.src.saving import saving_lib
-
-    def waiting(method):
-        def wait_then_call(*args, **kwargs):
-            if tf.executing_eagerly():
-                join_all()
-            return method(*args, **kwargs)
-
-        return wait_then_call
-
-    saver = functional_saver.MultiDeviceSaver
-    saver.save, saver.restore = waiting(saver.save), waiting(saver.restore)
-    for name in ("save_model", "save_weights_only", "load_weights_only"):
-        setattr(saving_lib, name, waiting(getattr(saving_lib, name)))
-
-
-def _install_tf_keras(tf_keras, asynchronous_scope):
-    # tf_keras-private: the pieces of its training step (as `make_train_function` makes
-    # it) and the data handler whose guard ends every epoch.
-    from tf_keras.src.engine import data_adapter
-    from tf_keras.src.engine import training
-
-    model_class = tf_keras.Model
-
-    def train_function(model, scope):
-        strategy = model.distribute_strategy
-
-        def one_step_on_data(data):
-            def run_step(data):  # as tf_keras' own step runs it
-                outputs = model.train_step(data)
-                with tf.control_dependencies(training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
-                    model._train_counter.assign_add(1)  # pylint: disable=protected-access
-                return outputs
-
-            return training.reduce_per_replica(strategy.run(run_step, args=(data,)),
-                                               strategy, model.distribute_reduction_method)
-
-        steps = model._steps_per_execution  # pylint: disable=protected-access
-        return AsyncTrainFunction(
-            [multi_step.counted_function(strategy, int(steps.numpy()), one_step_on_data,
-                                         multi_step.on_this_process, model.run_eagerly)
-             for _ in range(_num_workers(model))], scope, lambda: int(steps.numpy()))
-
-    _train_asynchronously(model_class, asynchronous_scope, train_function)
-    for name in ("test_function", "predict_function"):
-        _wait_before(model_class, name, asynchronous_scope)
-    _join_at_the_end(data_adapter.DataHandler, "_dataset")

@@ -7,15 +7,10 @@ worker_devices, ps_devices = connection.devices(config, "hybrid", None, timeout=
 ```
 """
 
-import atexit
-
 import tensorflow as tf
 
 # TF-private: resolves a device string the way MirroredStrategy does.
 from tensorflow.python.distribute import device_util
-# TF-private: the registry whose absence makes a traced function skip removing itself
-# from the eager context when it is garbage-collected (see _keep_functions_at_exit).
-from tensorflow.python.eager.polymorphic_function import atomic_function
 
 from hybrid_strategy.cluster import config as cluster_lib
 from hybrid_strategy.cluster import liveness
@@ -77,7 +72,6 @@ def _connect(config, timeout):
             protocol="grpc", make_master_device_default=False)
         liveness.install_lost_task_hooks(config)
         _connected_cluster = spec
-        atexit.register(_keep_functions_at_exit)
     elif _connected_cluster != spec:
         raise RuntimeError(
             "This process is already connected to another cluster "
@@ -112,13 +106,3 @@ def _replica_devices(num_workers, devices):
             "as many. Start every worker's server with the same --cpu-devices, or give "
             "every worker as many GPUs.")
     return [device for replicas in per_worker for device in replicas]
-
-
-def _keep_functions_at_exit():
-    """Lets the interpreter exit without removing traced functions one by one.
-
-    TensorFlow 2.21 cannot release a function whose parts run on remote tasks: each
-    removal at exit logs "Ignoring error status when releasing multi-device function
-    handle UNIMPLEMENTED" and frees nothing, so skip them; the process is ending.
-    """
-    atomic_function.RUNTIME_FUNCTION_REFS = None

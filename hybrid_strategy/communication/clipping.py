@@ -4,8 +4,9 @@ On one device, `clipnorm`, `global_clipnorm` and `clipvalue` clip the gradient o
 the whole batch. Keras 3 optimizers under a `tf.distribute` strategy clip each
 replica's share of it instead, before the cross-replica sum, which is another
 update (two replicas whose gradients are each just under `clipnorm` sum to twice
-it). Under HybridStrategy, `install_keras_hook` makes Keras 3 optimizers clip the
-summed gradient, as one device would; tf_keras optimizers already sum, then clip.
+it). Under HybridStrategy, Keras 3 optimizers clip the summed gradient instead, as
+one device would (`clips`, `clip_summed`, called from
+keras_integration/clipping_hooks.py); tf_keras optimizers already sum, then clip.
 
 The summed gradient of a PS table stays where it was summed, one part per shard
 on its PS: norms are added up from each shard's own sum of squares, and each
@@ -90,41 +91,13 @@ def _map_values(gradient, fn):
     return communication.shard_summed(parts, communication.table_of_sum(gradient))
 
 
-def install_keras_hook(applies):
-    """Makes Keras 3 optimizers clip the cross-replica sum, not each replica's part.
+def clips(optimizer):
+    """Whether a Keras optimizer clips its gradients (any of its three options set)."""
+    return bool(optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue)
 
-    Keras 3 clips in `_backend_apply_gradients` and sums the replicas' gradients
-    later, in `_all_reduce_sum_gradients`: in a replica context where `applies()`
-    (under HybridStrategy), the first leaves the gradients as they are and the
-    second clips what it summed.
-    """
-    # Keras-private: the TensorFlow backend's optimizer base, whose two methods
-    # are where Keras clips and where it sums across replicas.
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer
 
-    optimizer_class = tf_optimizer.TFOptimizer
-    if getattr(optimizer_class, "_hybrid_clips_summed_gradients", False):
-        return
-    clip_gradients = optimizer_class._clip_gradients
-    all_reduce_sum_gradients = optimizer_class._all_reduce_sum_gradients
-
-    def _clipping_deferred(optimizer):
-        clips = optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue
-        return bool(clips) and applies() and not tf.distribute.in_cross_replica_context()
-
-    def _clip_gradients(self, grads):
-        if _clipping_deferred(self):
-            return list(grads)
-        return clip_gradients(self, grads)
-
-    def _all_reduce_sum_gradients(self, grads_and_vars):
-        reduced = all_reduce_sum_gradients(self, grads_and_vars)
-        if not _clipping_deferred(self):
-            return reduced
-        grads = clip([g for g, _ in reduced], clipnorm=self.clipnorm,
-                     global_clipnorm=self.global_clipnorm, clipvalue=self.clipvalue)
-        return [(g, v) for g, (_, v) in zip(grads, reduced)]
-
-    optimizer_class._clip_gradients = _clip_gradients
-    optimizer_class._all_reduce_sum_gradients = _all_reduce_sum_gradients
-    optimizer_class._hybrid_clips_summed_gradients = True
+def clip_summed(optimizer, grads_and_vars):
+    """The cross-replica sums `grads_and_vars`, clipped as `optimizer` clips on one device."""
+    grads = clip([g for g, _ in grads_and_vars], clipnorm=optimizer.clipnorm,
+                 global_clipnorm=optimizer.global_clipnorm, clipvalue=optimizer.clipvalue)
+    return [(g, v) for g, (_, v) in zip(grads, grads_and_vars)]

@@ -5,20 +5,23 @@ candidate samplers, ...) in the order they were traced. A step replicated over w
 traces replica after replica, so replica r's would wait for replica r - 1's: on another
 task, one tensor sent between the two every step, and each worker's step held until the
 workers before it reached that point (the ids check of an embedding lookup, the sampler
-of a sampled softmax). Replicas are independent programs: after `order_per_task()`,
-such ops are ordered among those placed on the same task only. Every one of them still
-runs before the function returns.
+of a sampled softmax). Replicas are independent programs: with `side_effects_of_task`
+registered as a resolver of automatic control dependencies, such ops are ordered among
+those placed on the same task only. Every one of them still runs before the function
+returns.
 
 The function's outputs, too, waited for every stateful op of every task: automatic
 control dependencies give them one control input that depends on all of those, and each
 task sent a tensor to the calling process for it at every step. A function that spans
-tasks returns only once every task has run its part, so after `order_per_task()` the
-outputs wait for the stateful ops of the calling process alone.
+tasks returns only once every task has run its part, so with
+`outputs_wait_for_this_task_only` among tf.function's graph transforms the outputs wait
+for the stateful ops of the calling process alone. `HybridStrategy()` registers both
+(keras_integration/side_effect_hooks.py).
 
 ```python
 import tensorflow as tf
-from hybrid_strategy.communication import side_effects
-side_effects.order_per_task()
+import hybrid_strategy
+hybrid_strategy.HybridStrategy()   # from here on, side effects are ordered per task
 
 @tf.function
 def checks(x):
@@ -31,20 +34,15 @@ print(checks(tf.constant([1.0])))
 """
 
 import itertools
-import threading
 import weakref
 
 import tensorflow as tf
 # TF-private: automatic control dependencies take resolvers that name the resources an
 # op touches; the stand-in resource of a task chains that task's side effects.
 from tensorflow.python.framework import auto_control_deps
-# TF-private: the transformations tf.function applies to a traced graph before it
-# becomes a function, and the task of this process (its context's address space).
+# TF-private: the task of this process (its context's address space).
 from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function import transform
 
-_lock = threading.Lock()
-_installed = False
 _tokens = weakref.WeakKeyDictionary()  # graph -> {task: _TaskSideEffects}
 _ids = itertools.count(-1, -1)  # below every tensor's id
 
@@ -60,17 +58,7 @@ class _TaskSideEffects:
         self._id = next(_ids)
 
 
-def order_per_task():
-    """Orders stateful ops that touch no variable per task from now on (idempotent)."""
-    global _installed
-    with _lock:
-        if not _installed:
-            auto_control_deps.register_acd_resource_resolver(_side_effects_of_task)
-            transform.FUNC_GRAPH_TRANSFORMS.append(_outputs_wait_for_this_task_only)
-            _installed = True
-
-
-def _outputs_wait_for_this_task_only(func_graph):
+def outputs_wait_for_this_task_only(func_graph):
     """In a function that spans tasks, keeps of the control inputs of the no-op its
     outputs wait on those placed on this process's task."""
     # pylint: disable=protected-access
@@ -100,7 +88,8 @@ def _task(device):
     return None if spec.job is None else (spec.job, spec.replica or 0, spec.task or 0)
 
 
-def _side_effects_of_task(op, reads, writes):
+def side_effects_of_task(op, reads, writes):
+    """Adds one task's stand-in resource to `writes` of a stateful op without resources."""
     # What automatic control dependencies chain in trace order: stateful ops that touch
     # no resource, outside v1 control flow.
     # pylint: disable=protected-access

@@ -11,15 +11,16 @@ the same for every dataset: an optional holds all replicas' batches on one devic
 
 Here each worker's batch, or its empty stand-in, is picked on that worker: only each
 worker's count of replicas with data (a scalar) goes to the first worker, and whether
-any has data (a boolean) comes back. `install` makes the `get_next` of the iterators
-of the strategies `applies` accepts do so; `next_if_any` is the same for a step that
-runs only while data is left. The batches, the empty stand-ins and the end of data
+any has data (a boolean) comes back. `get_next_per_worker` is the iterator's
+`get_next` doing so (keras_integration/iterator_hooks.py makes it the `get_next` of a
+HybridStrategy's iterators); `next_if_any` is the same for a step that runs only while
+data is left. The batches, the empty stand-ins and the end of data
 (OutOfRangeError once no replica has any) are TensorFlow's own.
 
 ```python
-import tensorflow as tf
 from hybrid_strategy.input import end_of_data
-end_of_data.install(lambda strategy: True)   # HybridStrategy installs it for itself
+has_value, batch = end_of_data.next_if_any(iterator)   # in a tf.function
+outputs = tf.cond(has_value, lambda: step(batch()), lambda: previous_outputs)
 ```
 """
 
@@ -34,33 +35,30 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_lib
 
 
-def install(applies):
-    """Makes distributed iterators of `applies(strategy)` pick batches per worker."""
-    iterator_class = input_lib.DistributedIterator
-    if getattr(iterator_class.get_next, "_per_worker", False):
-        return
-    get_next = iterator_class.get_next
+def picks_per_worker(iterator):
+    """Whether `get_next_per_worker` changes `iterator`'s `get_next`: a distributed
+    iterator over several workers, read in a function, that checks for the end of data."""
+    return iterator._enable_get_next_as_optional and _several_workers(iterator)
 
-    def get_next_per_worker(self, name=None):
-        if (not applies(self._strategy) or not self._enable_get_next_as_optional
-                or not _several_workers(self)):
-            return get_next(self, name)
-        with distribute_lib.enter_or_assert_strategy(self._strategy):
-            if tf.distribute.get_replica_context() is not None:
-                return get_next(self, name)  # its error: called inside a replica's step
-            optionals, any_left = _optionals(self)
-            values = []
-            for i, worker in enumerate(self._input_workers.worker_devices):
-                with tf.device(worker):
-                    values += tf.cond(
-                        tf.identity(any_left),  # crosses once, not once per switch
-                        lambda i=i: _value_or_empty(self, optionals, i),
-                        # No replica has data: get_next raises OutOfRangeError.
-                        lambda i=i: self._iterators[i].get_next_as_list())
-            return _per_replica(self, values)
 
-    get_next_per_worker._per_worker = True
-    iterator_class.get_next = get_next_per_worker
+def get_next_per_worker(iterator, get_next, name=None):
+    """`iterator.get_next(name)` with each worker's batch picked on that worker.
+
+    `get_next(iterator, name)` is the distributed iterator's own, for a call it refuses.
+    """
+    with distribute_lib.enter_or_assert_strategy(iterator._strategy):
+        if tf.distribute.get_replica_context() is not None:
+            return get_next(iterator, name)  # its error: called inside a replica's step
+        optionals, any_left = _optionals(iterator)
+        values = []
+        for i, worker in enumerate(iterator._input_workers.worker_devices):
+            with tf.device(worker):
+                values += tf.cond(
+                    tf.identity(any_left),  # crosses once, not once per switch
+                    lambda i=i: _value_or_empty(iterator, optionals, i),
+                    # No replica has data: get_next raises OutOfRangeError.
+                    lambda i=i: iterator._iterators[i].get_next_as_list())
+        return _per_replica(iterator, values)
 
 
 def next_if_any(iterator):

@@ -29,6 +29,7 @@ import threading
 
 import tensorflow as tf
 
+from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.tables import table as table_lib
 
 # {(id of an Embedding layer, id of its ids tensor): (ids tensor, rows)} of the
@@ -38,44 +39,43 @@ _LOOKED_UP = threading.local()
 
 def install(applies):
     """Makes Keras 3 functional models look their tables up at once while `applies()`."""
-    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
-    # Keras-private: the graph runner of functional models, which Keras offers no
-    # public way into.
-    from keras.src.ops import function as function_lib
 
-    function_class = function_lib.Function
-    if getattr(function_class._run_through_graph, "_looks_up_at_once", False):
-        return
-    run_through_graph = function_class._run_through_graph
+    def make_run_through_graph(run_through_graph):
+        @functools.wraps(run_through_graph)
+        def run_looking_up_at_once(self, inputs, operation_fn=lambda op: op, call_fn=None):
+            rows = {}
+            if call_fn is None and applies():
+                rows = _look_up(self, inputs)
+            if not rows:
+                return run_through_graph(self, inputs, operation_fn=operation_fn,
+                                         call_fn=call_fn)
+            outer = getattr(_LOOKED_UP, "rows", {})
+            _LOOKED_UP.rows = {**outer, **rows}
+            try:
+                return run_through_graph(self, inputs, operation_fn=operation_fn,
+                                         call_fn=call_fn)
+            finally:
+                _LOOKED_UP.rows = outer
 
-    def run_looking_up_at_once(self, inputs, operation_fn=lambda op: op, call_fn=None):
-        rows = {}
-        if call_fn is None and applies():
-            rows = _look_up(self, inputs)
-        if not rows:
-            return run_through_graph(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
-        outer = getattr(_LOOKED_UP, "rows", {})
-        _LOOKED_UP.rows = {**outer, **rows}
-        try:
-            return run_through_graph(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
-        finally:
-            _LOOKED_UP.rows = outer
+        return run_looking_up_at_once
 
-    run_looking_up_at_once._looks_up_at_once = True
-    function_class._run_through_graph = run_looking_up_at_once
+    def make_call(call):
+        # Keras reads which arguments `call` takes from its signature: Embedding.call's.
+        @functools.wraps(call)
+        def call_with_rows_looked_up(self, inputs):
+            looked_up = getattr(_LOOKED_UP, "rows", {}).get((id(self), id(inputs)))
+            if looked_up is not None and looked_up[0] is inputs:
+                return looked_up[1]
+            return call(self, inputs)
 
-    embedding_class = keras.layers.Embedding
-    call = embedding_class.call
+        return call_with_rows_looked_up
 
-    # Keras reads which arguments `call` takes from its signature: Embedding.call's.
-    @functools.wraps(call)
-    def call_with_rows_looked_up(self, inputs):
-        looked_up = getattr(_LOOKED_UP, "rows", {}).get((id(self), id(inputs)))
-        if looked_up is not None and looked_up[0] is inputs:
-            return looked_up[1]
-        return call(self, inputs)
-
-    embedding_class.call = call_with_rows_looked_up
+    # Keras-private: `Function._run_through_graph`, the graph runner of functional
+    # models, which Keras offers no public way into.
+    registry.install("batched_lookups.run_at_once", make_run_through_graph)
+    # After the id checks (table_hooks): rows looked up at once are returned before
+    # them, their ids having been checked by `_look_up`.
+    registry.install("batched_lookups.rows_looked_up", make_call)
 
 
 def _look_up(function, inputs):

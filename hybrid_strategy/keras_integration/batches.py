@@ -45,6 +45,7 @@ import threading
 import tensorflow as tf
 
 from hybrid_strategy import versions
+from hybrid_strategy.keras_integration import registry
 
 # Set while Keras 3 computes a compiled loss, in the thread tracing a replica.
 _per_output_losses = threading.local()
@@ -120,15 +121,6 @@ def _global_sum(value):
         context._replica_id, extended._communication_options)  # pylint: disable=protected-access
 
 
-def _replace(owner, name, make):
-    """Sets `owner.name` (of a module or class) to `make(original)`, once."""
-    original = getattr(owner, name)
-    if not getattr(original, "_hybrid_batches", False):
-        replacement = make(original)
-        replacement._hybrid_batches = True
-        setattr(owner, name, replacement)
-
-
 def _scale(original):
     def scale_by_replica_weight(value):
         weight = replica_weight(value.dtype)
@@ -170,9 +162,8 @@ def install_keras_hooks():
 
 def _install_convolution_checks():
     # TF-private: the raw convolution ops every Keras convolution layer (and tf.nn's
-    # convolutions) ends in; TensorFlow has no public hook on them.
-    from tensorflow.python.ops import gen_nn_ops
-
+    # convolutions) ends in (tensorflow.python.ops.gen_nn_ops); TensorFlow has no public
+    # hook on them.
     problem = ("the oneDNN convolutions of TensorFlow 2.21 on CPU return a wrong shape for "
                "zero rows.")
 
@@ -184,7 +175,7 @@ def _install_convolution_checks():
         return convolution_of_rows
 
     for name in ("conv2d", "conv3d", "depthwise_conv2d_native"):
-        _replace(gen_nn_ops, name, make_checked)
+        registry.install(f"batches.{name}_rows", make_checked)
 
 
 def _on_cpu_replica():
@@ -199,7 +190,7 @@ def _install_keras3():
     # has no public way to change them).
     from keras.src.losses import loss as keras_loss
 
-    _replace(keras_loss, "scale_loss_for_distribution", _scale)
+    registry.install("batches.scale_loss_by_replica_weight", _scale)
 
     def make_unscale(original):
         def unscale_by_replica_weight(value):
@@ -209,13 +200,11 @@ def _install_keras3():
             return tf.math.divide_no_nan(value, weight)
         return unscale_by_replica_weight
 
-    _replace(keras_loss, "unscale_loss_for_distribution", make_unscale)
+    registry.install("batches.unscale_loss_by_replica_weight", make_unscale)
 
     # Keras-private: the compiled loss, whose per-output loss trackers Keras weights by
     # a static batch size: that of a split batch is unknown (weight 1 for each replica's
     # value), or its split even; either way the replicas' losses times N add up exactly.
-    from keras.src.trainers import compile_utils
-
     def make_compiled_loss(call):
         def call_unscaling_by_replicas(self, *args, **kwargs):
             _per_output_losses.active = True
@@ -225,7 +214,7 @@ def _install_keras3():
                 _per_output_losses.active = False
         return call_unscaling_by_replicas
 
-    _replace(compile_utils.CompileLoss, "call", make_compiled_loss)
+    registry.install("batches.per_output_losses", make_compiled_loss)
 
     def make_reduce(original):
         def reduce_over_the_global_batch(values, sample_weight=None, mask=None,
@@ -241,11 +230,9 @@ def _install_keras3():
             return tf.math.divide_no_nan(total, _global_sum(divisor))
         return reduce_over_the_global_batch
 
-    _replace(keras_loss, "reduce_weighted_values", make_reduce)
+    registry.install("batches.reduce_over_global_batch", make_reduce)
 
     # Keras-private: the layer's statistics of a batch, computed only when training.
-    from keras.src.layers.normalization import batch_normalization
-
     def make_moments(moments):
         def moments_of_rows(self, inputs, mask):
             if not self.synchronized:
@@ -253,7 +240,7 @@ def _install_keras3():
             return moments(self, inputs, mask)
         return moments_of_rows
 
-    _replace(batch_normalization.BatchNormalization, "_moments", make_moments)
+    registry.install("batches.batch_normalization_rows", make_moments)
 
 
 def _keras3_divisor(keras_loss, values, sample_weight, mask, reduction, dtype):
@@ -273,11 +260,10 @@ def _keras3_divisor(keras_loss, values, sample_weight, mask, reduction, dtype):
 
 def _install_tf_keras():
     # tf_keras-private: its counterparts, and the container that computes a compiled loss.
-    from tf_keras.src.engine import compile_utils
     from tf_keras.src.utils import losses_utils
 
     mean = losses_utils.ReductionV2.SUM_OVER_BATCH_SIZE
-    _replace(losses_utils, "scale_loss_for_distribution", _scale)
+    registry.install("batches.tf_keras_scale_loss_by_replica_weight", _scale)
 
     def make_apply_valid_mask(original):
         def apply_global_valid_mask(losses, sw, mask, reduction):
@@ -293,7 +279,7 @@ def _install_tf_keras():
                 losses, sw, mask * tf.math.divide_no_nan(size, valid * weight))
         return apply_global_valid_mask
 
-    _replace(losses_utils, "apply_valid_mask", make_apply_valid_mask)
+    registry.install("batches.tf_keras_global_valid_mask", make_apply_valid_mask)
 
     def make_call(original):
         def call_with_sums_as_means(self, y_true, y_pred, *args, **kwargs):
@@ -312,13 +298,11 @@ def _install_tf_keras():
                 self._losses = losses
         return call_with_sums_as_means
 
-    _replace(compile_utils.LossesContainer, "__call__", make_call)
+    registry.install("batches.tf_keras_sums_as_means", make_call)
 
     # tf_keras-private: whether its BatchNormalization sets aside the update of an
     # empty replica. A synchronized layer has the global batch's statistics on every
     # replica, so every replica's update is the same (their mean is one device's).
-    from tf_keras.src.layers.normalization import batch_normalization
-
     def make_support(original):
         def support_zero_size_input(self):
             if self.synchronized and _step_sizes() is not None:
@@ -326,8 +310,7 @@ def _install_tf_keras():
             return original(self)
         return support_zero_size_input
 
-    _replace(batch_normalization.BatchNormalizationBase, "_support_zero_size_input",
-             make_support)
+    registry.install("batches.tf_keras_synchronized_batch_normalization", make_support)
 
 
 class _SumAsMean:

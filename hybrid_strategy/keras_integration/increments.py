@@ -33,6 +33,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
 from hybrid_strategy.asynchronous import training as asynchronous
+from hybrid_strategy.keras_integration import registry
 
 
 def install(applies):
@@ -41,13 +42,10 @@ def install(applies):
     # the variable (Keras has no public way to change how a variable is added to),
     # and the scope in which Keras collects assignments instead of making them.
     from keras.src.backend.common import stateless_scope
-    from keras.src.backend.tensorflow import core
 
     for name in ("assign_add", "assign_sub"):
-        original = getattr(core.Variable, name)
-        if not getattr(original, "_per_copy", False):
-            setattr(core.Variable, name,
-                    _per_copy(original, name, applies, stateless_scope.in_stateless_scope))
+        registry.install(f"increments.{name}_per_copy", lambda original, name=name: _per_copy(
+            original, name, applies, stateless_scope.in_stateless_scope))
 
 
 def _per_copy(original, name, applies, in_stateless_scope):
@@ -71,5 +69,4 @@ def _per_copy(original, name, applies, in_stateless_scope):
             return original(self, value)
         return self.value
 
-    add._per_copy = True
     return add

@@ -15,22 +15,24 @@ install.install_all(HybridStrategy, connected=False)   # what HybridStrategy() d
 import tensorflow as tf
 
 from hybrid_strategy import versions
-from hybrid_strategy.asynchronous import training as asynchronous_lib
-from hybrid_strategy.communication import clipping
-from hybrid_strategy.communication import side_effects
-from hybrid_strategy.input import end_of_data
-from hybrid_strategy.input import service_input
+from hybrid_strategy.keras_integration import asynchronous_hooks
 from hybrid_strategy.keras_integration import batched_lookups
 from hybrid_strategy.keras_integration import batches
+from hybrid_strategy.keras_integration import checkpoint_hooks
+from hybrid_strategy.keras_integration import clipping_hooks
+from hybrid_strategy.keras_integration import data_service_hooks
+from hybrid_strategy.keras_integration import exit_hooks
 from hybrid_strategy.keras_integration import increments
+from hybrid_strategy.keras_integration import iterator_hooks
 from hybrid_strategy.keras_integration import keras_input
+from hybrid_strategy.keras_integration import layer_hooks
+from hybrid_strategy.keras_integration import mirroring_hooks
 from hybrid_strategy.keras_integration import multi_step
+from hybrid_strategy.keras_integration import optimizer_hooks
+from hybrid_strategy.keras_integration import penalty_hooks
 from hybrid_strategy.keras_integration import registry
-from hybrid_strategy.placement import creation
-from hybrid_strategy.placement import mirroring
-from hybrid_strategy.tables import checkpointing
-from hybrid_strategy.tables import penalties
-from hybrid_strategy.tables import sparse_optimizers
+from hybrid_strategy.keras_integration import side_effect_hooks
+from hybrid_strategy.keras_integration import table_hooks
 from hybrid_strategy.tables import table as table_lib
 
 
@@ -70,34 +72,31 @@ class Gates:
 def install_all(strategy_class, connected):
     """Checks the versions and every patch's target, then installs every patch once.
 
-    `connected`: whether this process is connected to a cluster (the chief); the
-    patches to come use it.
+    `connected`: whether this process is connected to a cluster (the chief).
     Raises `versions.UnsupportedVersionError` (naming the installed and supported
     versions, and every target that differs) before anything is changed.
     """
-    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
-
     versions.check_installed()
     registry.verify()
     gates = Gates(strategy_class)
-    table_lib.install_keras_hook()
+    table_hooks.install()
     table_lib.on_row_read(gates.move_to_ps_on_row_read)
-    mirroring.install_keras_hook(gates.extended)
-    creation.install_layer_tags()
-    checkpointing.install_hooks()
+    mirroring_hooks.install(gates.extended)
+    layer_hooks.install()
+    checkpoint_hooks.install()
     multi_step.install(gates.spans_devices)
-    asynchronous_lib.install(gates.asynchronous_scope)
-    clipping.install_keras_hook(gates.under_hybrid_strategy)
-    sparse_optimizers.install_keras_hooks()
+    asynchronous_hooks.install(gates.asynchronous_scope)
+    clipping_hooks.install(gates.under_hybrid_strategy)
+    side_effect_hooks.order_per_task()
+    optimizer_hooks.install()
     batches.install_keras_hooks()
-    service_input.install_keras_hooks(gates.is_hybrid)
+    data_service_hooks.install(gates.is_hybrid)
     keras_input.install(gates.is_hybrid)
     increments.install(gates.is_hybrid)
-    end_of_data.install(gates.spans_devices)
-    legacy = versions.legacy_keras()
-    penalties.install_keras_hooks(legacy)
-    for keras_module in (keras, legacy) if legacy is not None else (keras,):
-        table_lib.check_embedding_ids(keras_module.layers.Embedding, gates.under_hybrid_strategy)
+    iterator_hooks.install(gates.spans_devices)
+    penalty_hooks.install()
+    table_hooks.install_id_checks(gates.under_hybrid_strategy)
     # After the id checks: a table looked up at once returns its rows before them.
     batched_lookups.install(gates.in_replica_of_hybrid_strategy)
-    side_effects.order_per_task()
+    if connected:
+        exit_hooks.install()

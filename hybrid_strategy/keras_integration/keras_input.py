@@ -27,11 +27,11 @@ import tensorflow as tf
 from hybrid_strategy import versions
 from hybrid_strategy.input import array_input
 from hybrid_strategy.keras_integration import batches
+from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.input import worker_input
 
 # The strategy a Keras 3 epoch iterator is being made for, while it makes its dataset.
 _iterator_strategy = contextvars.ContextVar("iterator_strategy", default=None)
-_installed = []
 
 
 def install(applies):
@@ -40,11 +40,9 @@ def install(applies):
     Args:
         applies: `applies(strategy)`: whether `strategy` is a HybridStrategy.
     """
-    flavours = (_install_keras3,) + ((_install_tf_keras,) if versions.legacy_keras() else ())
-    for hooks in flavours:
-        if hooks not in _installed:
-            _installed.append(hooks)
-            hooks(applies)
+    _install_keras3(applies)
+    if versions.legacy_keras():
+        _install_tf_keras(applies)
 
 
 def _on_cluster(strategy, applies):
@@ -62,65 +60,65 @@ def one_replica_spec(spec):
 def _install_keras3(applies):
     # Keras-private: the trainer's model build from a first batch, the epoch iterator
     # that distributes the data, and the adapter that turns arrays into a dataset.
-    from keras.src.backend.tensorflow import trainer as keras_trainer
-    from keras.src.trainers.data_adapters import array_data_adapter
+    def make_symbolic_build(symbolic_build):
+        def symbolic_build_from_spec(self, iterator=None, data_batch=None):
+            if iterator is not None and applies(self.distribute_strategy):
+                data_batch = one_replica_spec(iterator._distributed_dataset.element_spec)
+                iterator = None
+            return symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        return symbolic_build_from_spec
 
-    trainer_class = keras_trainer.TensorFlowTrainer
-    symbolic_build = trainer_class._maybe_symbolic_build
+    registry.install("keras_input.build_from_element_spec", make_symbolic_build)
 
-    def symbolic_build_from_spec(self, iterator=None, data_batch=None):
-        if iterator is not None and applies(self.distribute_strategy):
-            data_batch = one_replica_spec(iterator._distributed_dataset.element_spec)
-            iterator = None
-        return symbolic_build(self, iterator=iterator, data_batch=data_batch)
-
-    trainer_class._maybe_symbolic_build = symbolic_build_from_spec
-
-    iterator_class = keras_trainer.TFEpochIterator
-    make_iterator, next_steps = iterator_class.__init__, iterator_class.__next__
-    catch_stop_iteration = iterator_class.catch_stop_iteration
-
-    def make_iterator_for(self, distribute_strategy=None, *args, **kwargs):
-        token = _iterator_strategy.set(distribute_strategy)
-        try:
-            make_iterator(self, distribute_strategy, *args, **kwargs)
-        finally:
-            _iterator_strategy.reset(token)
-
-    def next_counted(self):
-        self._hybrid_steps_begun = getattr(self, "_hybrid_steps_begun", 0) + 1
-        return next_steps(self)
-
-    @contextlib.contextmanager
-    def catch_refusing_empty(self):
-        with catch_stop_iteration(self):
+    def make_iterator_init(make_iterator):
+        def make_iterator_for(self, distribute_strategy=None, *args, **kwargs):
+            token = _iterator_strategy.set(distribute_strategy)
             try:
-                yield
-            except tf.errors.OutOfRangeError:
-                # The first step of this iterator's life found no batch at all.
-                if (applies(self._distribute_strategy)
-                        and getattr(self, "_hybrid_steps_begun", 0) <= 1):
-                    raise ValueError(batches.EMPTY) from None
-                raise
+                make_iterator(self, distribute_strategy, *args, **kwargs)
+            finally:
+                _iterator_strategy.reset(token)
+        return make_iterator_for
 
-    iterator_class.__init__ = make_iterator_for
-    iterator_class.__next__ = next_counted
-    iterator_class.catch_stop_iteration = catch_refusing_empty
+    registry.install("keras_input.note_iterator_strategy", make_iterator_init)
 
-    adapter_class = array_data_adapter.ArrayDataAdapter
-    get_tf_dataset = adapter_class.get_tf_dataset
+    def make_next(next_steps):
+        def next_counted(self):
+            self._hybrid_steps_begun = getattr(self, "_hybrid_steps_begun", 0) + 1
+            return next_steps(self)
+        return next_counted
 
-    def tf_dataset_of_shares(self):
-        strategy = _iterator_strategy.get()
-        if _on_cluster(strategy, applies) and array_input.supported(self._inputs):
-            import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
-            # As Keras does: tf.data would stack a list of arrays (outputs' targets).
-            return array_input.distribute_arrays(
-                strategy, keras.tree.lists_to_tuples(self._inputs), self._batch_size,
-                self._shuffle, floatx=keras.backend.floatx())
-        return get_tf_dataset(self)
+    registry.install("keras_input.count_steps", make_next)
 
-    adapter_class.get_tf_dataset = tf_dataset_of_shares
+    def make_catch(catch_stop_iteration):
+        @contextlib.contextmanager
+        def catch_refusing_empty(self):
+            with catch_stop_iteration(self):
+                try:
+                    yield
+                except tf.errors.OutOfRangeError:
+                    # The first step of this iterator's life found no batch at all.
+                    if (applies(self._distribute_strategy)
+                            and getattr(self, "_hybrid_steps_begun", 0) <= 1):
+                        raise ValueError(batches.EMPTY) from None
+                    raise
+        return catch_refusing_empty
+
+    # Outermost of the guard's wrappers: it sees the OutOfRangeError first.
+    registry.install("keras_input.refuse_empty_dataset", make_catch)
+
+    def make_get_tf_dataset(get_tf_dataset):
+        def tf_dataset_of_shares(self):
+            strategy = _iterator_strategy.get()
+            if _on_cluster(strategy, applies) and array_input.supported(self._inputs):
+                import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
+                # As Keras does: tf.data would stack a list of arrays (outputs' targets).
+                return array_input.distribute_arrays(
+                    strategy, keras.tree.lists_to_tuples(self._inputs), self._batch_size,
+                    self._shuffle, floatx=keras.backend.floatx())
+            return get_tf_dataset(self)
+        return tf_dataset_of_shares
+
+    registry.install("keras_input.arrays_as_worker_shares", make_get_tf_dataset)
 
 
 def _install_tf_keras(applies):
@@ -129,31 +127,30 @@ def _install_tf_keras(applies):
     from tf_keras.src import backend as tf_keras_backend
     from tf_keras.src.engine import data_adapter
 
-    adapter_class = data_adapter.TensorLikeDataAdapter
-    slice_inputs = adapter_class.slice_inputs
+    def make_slice_inputs(slice_inputs):
+        def slice_inputs_kept(self, indices_dataset, inputs):
+            self._hybrid_inputs = inputs
+            return slice_inputs(self, indices_dataset, inputs)
+        return slice_inputs_kept
 
-    def slice_inputs_kept(self, indices_dataset, inputs):
-        self._hybrid_inputs = inputs
-        return slice_inputs(self, indices_dataset, inputs)
+    registry.install("keras_input.keep_array_inputs", make_slice_inputs)
 
-    adapter_class.slice_inputs = slice_inputs_kept
+    def make_configure(configure):
+        def configure_shares(self, strategy, x, steps_per_epoch, class_weight, distribute):
+            inputs = getattr(self._adapter, "_hybrid_inputs", None)
+            if (not distribute or inputs is None or not _on_cluster(strategy, applies)
+                    or not array_input.supported(inputs)):
+                return configure(self, strategy, x, steps_per_epoch, class_weight, distribute)
+            # tf_keras infers the steps (from the adapter's size) and checks them; its
+            # dataset of the whole arrays, left undistributed, gives way to the shares.
+            configure(self, strategy, x, steps_per_epoch, class_weight, False)
+            self._dataset = array_input.distribute_arrays(
+                strategy, inputs, self._adapter.batch_size(), self._adapter._shuffle,
+                passes=self._epochs - self._initial_epoch,
+                transform=(data_adapter._make_class_weight_map_fn(class_weight)
+                           if class_weight else None),
+                floatx=tf_keras_backend.floatx())
+            return None
+        return configure_shares
 
-    handler_class = data_adapter.DataHandler
-    configure = handler_class._configure_dataset_and_inferred_steps
-
-    def configure_shares(self, strategy, x, steps_per_epoch, class_weight, distribute):
-        inputs = getattr(self._adapter, "_hybrid_inputs", None)
-        if (not distribute or inputs is None or not _on_cluster(strategy, applies)
-                or not array_input.supported(inputs)):
-            return configure(self, strategy, x, steps_per_epoch, class_weight, distribute)
-        self._dataset = array_input.distribute_arrays(
-            strategy, inputs, self._adapter.batch_size(), self._adapter._shuffle,
-            passes=self._epochs - self._initial_epoch,
-            transform=(data_adapter._make_class_weight_map_fn(class_weight)
-                       if class_weight else None),
-            floatx=tf_keras_backend.floatx())
-        self._inferred_steps = self._infer_steps(steps_per_epoch, self._dataset)
-        self._validate_data_handler()
-        return None
-
-    handler_class._configure_dataset_and_inferred_steps = configure_shares
+    registry.install("keras_input.tf_keras_arrays_as_worker_shares", make_configure)

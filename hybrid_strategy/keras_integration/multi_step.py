@@ -40,8 +40,7 @@ import tensorflow as tf
 
 from hybrid_strategy import versions
 from hybrid_strategy.input import end_of_data
-
-_installed = False
+from hybrid_strategy.keras_integration import registry
 
 
 def install(unrolls):
@@ -51,14 +50,9 @@ def install(unrolls):
         unrolls: `unrolls(strategy)` says whether a model under `strategy` runs its
             steps this way (a HybridStrategy spanning several devices or tasks).
     """
-    global _installed
-    if _installed:
-        return
-    _installed = True
     _install_keras3(unrolls)
-    legacy = versions.legacy_keras()
-    if legacy is not None:
-        _install_tf_keras(legacy, unrolls)
+    if versions.legacy_keras() is not None:
+        _install_tf_keras(unrolls)
 
 
 def unrolled_steps(steps, first_step, later_step):
@@ -195,14 +189,14 @@ def _install_keras3(unrolls):
     # `model.test_function`; Keras has no public way to change its step loop.
     from keras.src.backend.tensorflow import trainer as trainer_lib
 
-    original = trainer_lib.TensorFlowTrainer._make_function
+    def make(original):
+        def _make_function(self, step_function):
+            if not unrolls(self.distribute_strategy):
+                return original(self, step_function)
+            return keras3_function(self, step_function, trainer_lib)
+        return _make_function
 
-    def _make_function(self, step_function):
-        if not unrolls(self.distribute_strategy):
-            return original(self, step_function)
-        return keras3_function(self, step_function, trainer_lib)
-
-    trainer_lib.TensorFlowTrainer._make_function = _make_function
+    registry.install("multi_step.unrolled_steps", make)
 
 
 def keras3_function(model, step_function, trainer_lib, counted=False):
@@ -368,10 +362,11 @@ def _if_batch(iterator, step, otherwise):
     return tf.cond(batch.has_value(), run, skip)
 
 
-def _install_tf_keras(tf_keras, unrolls):
-    model_class = tf_keras.Model
-    for name in ("make_train_function", "make_test_function"):
-        setattr(model_class, name, _tf_keras_maker(getattr(model_class, name), name, unrolls))
+def _install_tf_keras(unrolls):
+    for name, patch in (("make_train_function", "multi_step.tf_keras_unrolled_train_steps"),
+                        ("make_test_function", "multi_step.tf_keras_unrolled_test_steps")):
+        registry.install(patch, lambda original, name=name: _tf_keras_maker(
+            original, name, unrolls))
 
 
 def _tf_keras_maker(original, name, unrolls):

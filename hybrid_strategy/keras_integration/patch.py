@@ -24,7 +24,8 @@ TABLES = "on PS tables of a HybridStrategy"
 SPANS = "under a HybridStrategy that spans several devices or tasks"
 ASYNCHRONOUS = "under a HybridStrategy(asynchronous=True)"
 CLUSTER = "in a chief connected to a cluster"
-GATES = (STRATEGY, TABLES, SPANS, ASYNCHRONOUS, CLUSTER)
+AT_EXIT = "at the exit of a chief connected to a cluster"
+GATES = (STRATEGY, TABLES, SPANS, ASYNCHRONOUS, CLUSTER, AT_EXIT)
 
 
 @dataclasses.dataclass(frozen=True)

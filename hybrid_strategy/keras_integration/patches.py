@@ -12,10 +12,365 @@ print(len(PATCHES), "patches")
 """
 
 from hybrid_strategy.keras_integration.patch import (
-    ADD, ASYNCHRONOUS, CLUSTER, REGISTER, REPLACE, SPANS, STRATEGY, TABLES, WRAP, Patch)
+    ADD, ASYNCHRONOUS, AT_EXIT, CLUSTER, REGISTER, REPLACE, SPANS, STRATEGY, TABLES, WRAP,
+    Patch)
 
 PATCHES = (
     # --- tables: row reads, ids, penalties, checkpoints, optimizers ---------------
+    Patch("table_hooks.export_reads_tables_whole", "keras",
+          "keras.src.export.saved_model_export_archive:SavedModelExportArchive.write_out",
+          WRAP, TABLES, "Keras' SavedModel export traces its endpoints reading PS tables "
+          "whole, so the SavedModel holds each table as one ordinary variable.",
+          params=("self", "filepath", "options", "verbose")),
+    Patch("table_hooks.sparse_read", "keras", "keras.src.backend:Variable.sparse_read", ADD,
+          TABLES, "tf.gather of a Keras variable wrapping a PS table reads only the rows it "
+          "needs (the property exists only for such variables; others raise AttributeError)."),
+    Patch("table_hooks.dispatchable_variable", "tensorflow",
+          "tensorflow.python.util.dispatch:register_dispatchable_type", REGISTER, TABLES,
+          "Keras variables become a dispatchable type, for the tf.shape and "
+          "tf.nn.embedding_lookup handlers.", params=("cls",)),
+    Patch("table_hooks.static_shape", "tensorflow", "tensorflow.python.ops.array_ops:shape_v2",
+          REGISTER, TABLES, "tf.shape of a Keras variable (Keras' ops.take asks) is its static "
+          "shape, same value, without reading a PS table whole.",
+          params=("input", "out_type", "name")),
+    Patch("table_hooks.embedding_lookup", "tensorflow",
+          "tensorflow.python.ops.embedding_ops:embedding_lookup_v2", REGISTER, TABLES,
+          "tf.nn.embedding_lookup of a Keras variable wrapping a PS table reads by row, not "
+          "the whole table first.", params=("params", "ids", "max_norm", "name")),
+    Patch("table_hooks.embedding_ids", "keras", "keras.src.layers.core.embedding:Embedding.call",
+          WRAP, STRATEGY, "Embedding ids are checked (in range, whole numbers) before Keras "
+          "wraps negative ones or truncates floats, for PS and mirrored tables alike.",
+          params=("self", "inputs")),
+    Patch("table_hooks.embedding_ids_tf_keras", "tf_keras",
+          "tf_keras.src.layers.core.embedding:Embedding.call", WRAP, STRATEGY,
+          "Embedding ids are checked (in range, whole numbers) before tf_keras truncates "
+          "floats, for PS and mirrored tables alike.", params=("self", "inputs")),
+    Patch("batched_lookups.run_at_once", "keras",
+          "keras.src.ops.function:Function._run_through_graph", WRAP, TABLES,
+          "A functional model looks up every PS table its inputs index at once: one "
+          "exchange per PS task, not one per table.",
+          params=("self", "inputs", "operation_fn", "call_fn")),
+    Patch("batched_lookups.rows_looked_up", "keras",
+          "keras.src.layers.core.embedding:Embedding.call", WRAP, TABLES,
+          "An Embedding whose rows were looked up at once returns them (ids already checked).",
+          params=("self", "inputs"), after=("table_hooks.embedding_ids",)),
+    Patch("penalty_hooks.table_penalties", "keras",
+          "keras.src.layers.layer:Layer._get_regularization_losses", WRAP, TABLES,
+          "The regularizer of a weight wrapping a PS table is computed on the table's PS "
+          "tasks, one scalar per shard, not from the whole table on every worker.",
+          params=("self",)),
+    Patch("penalty_hooks.table_penalties_tf_keras", "tf_keras",
+          "tf_keras.src.engine.base_layer:Layer._handle_weight_regularization", WRAP, TABLES,
+          "The regularizer of a PS table is computed on the table's PS tasks, one scalar "
+          "per shard, not from the whole table on every worker.",
+          params=("self", "name", "variable", "regularizer")),
+    Patch("checkpoint_hooks.every_slice_restored", "tensorflow",
+          "tensorflow.python.training.saving.saveable_object_util:TrackableSaveable.restore",
+          WRAP, TABLES, "A table saved as row blocks is handed every block on restore, not "
+          "the first only.", params=("self", "restored_tensors", "restored_shapes")),
+    Patch("checkpoint_hooks.storage_checked_on_save", "tensorflow",
+          "tensorflow.python.checkpoint.functional_saver:MultiDeviceSaver.save", WRAP, CLUSTER,
+          "Saving first checks that every task writing part of the checkpoint sees its path, "
+          "with an error naming the task that does not.",
+          params=("self", "file_prefix", "options")),
+    Patch("checkpoint_hooks.storage_checked_on_restore", "tensorflow",
+          "tensorflow.python.checkpoint.functional_saver:MultiDeviceSaver.restore", WRAP,
+          CLUSTER, "Restoring first checks that every task reading part of the checkpoint "
+          "finds it, with an error naming the task that does not.",
+          params=("self", "file_prefix", "options")),
+    Patch("checkpoint_hooks.restored_shape", "keras",
+          "keras.src.backend:Variable._restore_from_tensors", WRAP, CLUSTER,
+          "A tensor restored inside a tf.function (on a cluster) gets the variable's static "
+          "shape, which Keras' assign needs.", params=("self", "restored_tensors")),
+    Patch("checkpoint_hooks.h5_streamed_assign", "keras", "keras.src.backend:Variable.assign",
+          WRAP, TABLES, "A PS table is loaded from an h5 file block by block, never whole "
+          "on the chief.", params=("self", "value")),
+    Patch("checkpoint_hooks.h5_streamed_write", "keras",
+          "keras.src.saving.saving_lib:H5IOStore.__setitem__", WRAP, TABLES,
+          "A PS table is written to an h5 file block by block, never whole on the chief.",
+          params=("self", "key", "value")),
+    Patch("checkpoint_hooks.h5_streamed_read", "keras",
+          "keras.src.saving.saving_lib:H5IOStore.__getitem__", WRAP, TABLES,
+          "A large h5 dataset is handed over unread, for a PS table to stream it (anything "
+          "else reads it as an array).", params=("self", "key")),
+    Patch("checkpoint_hooks.optimizer_tables_unread", "keras",
+          "keras.src.optimizers.base_optimizer:BaseOptimizer.save_own_variables", WRAP, TABLES,
+          "Optimizer slots that are PS tables reach the h5 store unread, to be streamed, "
+          "not read whole on the chief.", params=("self", "store")),
+    Patch("checkpoint_hooks.keras_file_on_disk", "keras",
+          "keras.src.saving.saving_lib:is_memory_sufficient", WRAP, TABLES,
+          "A .keras file of a model with PS tables is built in a file on disk, not in the "
+          "chief's memory.", params=("model",)),
+    Patch("optimizer_hooks.tables_checked_when_built", "keras",
+          "keras.src.optimizers.base_optimizer:BaseOptimizer.build", WRAP, TABLES,
+          "An optimizer that cannot update a PS table is refused when built (a model that "
+          "made its variables after compile).", params=("self", "variables")),
+    Patch("optimizer_hooks.tables_checked_when_compiled", "keras",
+          "keras.src.trainers.trainer:Trainer.compile", WRAP, TABLES,
+          "An optimizer that cannot update a PS table is refused at compile.",
+          params=("self", "optimizer", "loss", "loss_weights", "metrics", "weighted_metrics",
+                  "run_eagerly", "steps_per_execution", "jit_compile", "auto_scale_loss")),
+    Patch("optimizer_hooks.muon_decays_tables_once", "keras",
+          "keras.src.optimizers.muon:Muon._apply_weight_decay", WRAP, TABLES,
+          "Muon decays a PS table once per step through the strategy, not once per replica.",
+          params=("self", "variables")),
+    Patch("optimizer_hooks.tables_checked_when_built_tf_keras", "tf_keras",
+          "tf_keras.src.optimizers.optimizer:_BaseOptimizer.build", WRAP, TABLES,
+          "An optimizer that cannot update a PS table is refused when built (a model that "
+          "made its variables after compile).", params=("self", "var_list")),
+    Patch("optimizer_hooks.tables_checked_when_compiled_tf_keras", "tf_keras",
+          "tf_keras.src.engine.training:Model.compile", WRAP, TABLES,
+          "An optimizer that cannot update a PS table is refused at compile.",
+          params=("self", "optimizer", "loss", "metrics", "loss_weights", "weighted_metrics",
+                  "run_eagerly", "steps_per_execution", "jit_compile", "pss_evaluation_shards",
+                  "kwargs")),
+    Patch("optimizer_hooks.mirrored_read_once", "tensorflow",
+          "tensorflow.python.distribute.values:MirroredVariable._dense_var_to_tensor", WRAP,
+          TABLES, "A mirrored variable (learning rate, step count) read by the update rules "
+          "of PS tables on one PS task is sent there once per step, not once per table.",
+          params=("self", "dtype", "name", "as_ref")),
     # --- input and steps: keras_input, multi_step, batches, end_of_data, service_input, increments, asynchronous ---
+    Patch("keras_input.build_from_element_spec", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
+          WRAP, STRATEGY, "Builds the model from the distributed dataset's element spec, not "
+          "from a first batch every worker would read for nothing.",
+          params=("self", "iterator", "data_batch")),
+    Patch("keras_input.note_iterator_strategy", "keras",
+          "keras.src.backend.tensorflow.trainer:TFEpochIterator.__init__", WRAP, STRATEGY,
+          "Tells the array adapter which strategy the epoch iterator makes its dataset for.",
+          params=("self", "distribute_strategy", "args", "kwargs")),
+    Patch("keras_input.count_steps", "keras",
+          "keras.src.backend.tensorflow.trainer:TFEpochIterator.__next__", WRAP, STRATEGY,
+          "Counts the steps begun, so that an empty dataset is told from a finished one.",
+          params=("self",)),
+    Patch("keras_input.refuse_empty_dataset", "keras",
+          "keras.src.backend.tensorflow.trainer:TFEpochIterator.catch_stop_iteration",
+          WRAP, STRATEGY, "Refuses a dataset found empty at the first step with a clear "
+          "error, where Keras would end fit having trained nothing.", params=("self",),
+          after=("asynchronous_hooks.join_at_epoch_end",
+                 "data_service_hooks.forget_epoch_steps")),
+    Patch("keras_input.arrays_as_worker_shares", "keras",
+          "keras.src.trainers.data_adapters.array_data_adapter:ArrayDataAdapter.get_tf_dataset",
+          REPLACE, CLUSTER, "Arrays reach each worker as its own rows, not as a dataset "
+          "holding them whole that every worker receives.", params=("self",),
+          why_replaced="the original builds a dataset holding the whole arrays (copied "
+          "into it), the very thing avoided; the shares are built from the arrays instead "
+          "(outside the gate the original is called)."),
+    Patch("keras_input.keep_array_inputs", "tf_keras",
+          "tf_keras.src.engine.data_adapter:TensorLikeDataAdapter.slice_inputs", WRAP,
+          CLUSTER, "Keeps the arrays the adapter slices, for the data handler to share "
+          "them out by worker.", params=("self", "indices_dataset", "inputs")),
+    Patch("keras_input.tf_keras_arrays_as_worker_shares", "tf_keras",
+          "tf_keras.src.engine.data_adapter:DataHandler._configure_dataset_and_inferred_steps",
+          WRAP, CLUSTER, "Arrays reach each worker as its own rows (with the class "
+          "weights), not as a dataset holding them whole.",
+          params=("self", "strategy", "x", "steps_per_epoch", "class_weight", "distribute")),
+    Patch("multi_step.unrolled_steps", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function", REPLACE,
+          SPANS, "Traces the N steps of a call one after the other, inline, with packed logs "
+          "and each worker's end of data on that worker.", params=("self", "step_function"),
+          why_replaced="every piece of the original is what must differ: it calls the step "
+          "as a nested tf.function inside a tf.while_loop (TensorFlow 2.21 loses the "
+          "captured inputs of a function called in a loop or conditional that spans "
+          "devices), reduces every log on this process, and reads the next batch in one "
+          "optional on one device; these are local closures of the original, with no "
+          "argument or attribute to change them (outside the gate the original is called)."),
+    Patch("multi_step.tf_keras_unrolled_train_steps", "tf_keras",
+          "tf_keras.src.engine.training:Model.make_train_function", WRAP, SPANS,
+          "Runs steps_per_execution training steps unrolled in one function, around "
+          "tf_keras' one-step function.", params=("self", "force")),
+    Patch("multi_step.tf_keras_unrolled_test_steps", "tf_keras",
+          "tf_keras.src.engine.training:Model.make_test_function", WRAP, SPANS,
+          "Runs steps_per_execution evaluation steps unrolled in one function, around "
+          "tf_keras' one-step function.", params=("self", "force")),
+    Patch("batches.scale_loss_by_replica_weight", "keras",
+          "keras.src.losses.loss:scale_loss_for_distribution", REPLACE, SPANS,
+          "Scales a replica's loss by its share of the global batch's rows, not 1/N.",
+          params=("value",), why_replaced="the weight replaces the original's 1/N; "
+          "rescaling its result would round differently from one device."),
+    Patch("batches.unscale_loss_by_replica_weight", "keras",
+          "keras.src.losses.loss:unscale_loss_for_distribution", REPLACE, SPANS,
+          "Divides a replica's logged loss by its share of the rows, not multiplies it by N.",
+          params=("value",), why_replaced="the weight replaces the original's N; "
+          "rescaling its result would round differently from one device."),
+    Patch("batches.per_output_losses", "keras",
+          "keras.src.trainers.compile_utils:CompileLoss.call", WRAP, SPANS,
+          "Marks the compiled loss's per-output trackers, whose losses keep Keras' scaling.",
+          params=("self", "y_true", "y_pred", "sample_weight")),
+    Patch("batches.reduce_over_global_batch", "keras",
+          "keras.src.losses.loss:reduce_weighted_values", WRAP, SPANS,
+          "Divides a masked or sample-weighted mean by the global batch's divisor.",
+          params=("values", "sample_weight", "mask", "reduction", "dtype")),
+    Patch("batches.batch_normalization_rows", "keras",
+          "keras.src.layers.normalization.batch_normalization:BatchNormalization._moments",
+          WRAP, SPANS, "Refuses per-replica statistics over a replica with no rows (NaN).",
+          params=("self", "inputs", "mask")),
+    Patch("batches.conv2d_rows", "tensorflow", "tensorflow.python.ops.gen_nn_ops:conv2d",
+          WRAP, SPANS, "Refuses a CPU convolution over a replica with no rows (oneDNN "
+          "returns a wrong shape).", params=("input", "filter", "strides", "padding",
+                                              "use_cudnn_on_gpu", "explicit_paddings",
+                                              "data_format", "dilations", "name")),
+    Patch("batches.conv3d_rows", "tensorflow", "tensorflow.python.ops.gen_nn_ops:conv3d",
+          WRAP, SPANS, "Refuses a CPU convolution over a replica with no rows (oneDNN "
+          "returns a wrong shape).", params=("input", "filter", "strides", "padding",
+                                              "data_format", "dilations", "name")),
+    Patch("batches.depthwise_conv2d_native_rows", "tensorflow",
+          "tensorflow.python.ops.gen_nn_ops:depthwise_conv2d_native", WRAP, SPANS,
+          "Refuses a CPU convolution over a replica with no rows (oneDNN returns a wrong "
+          "shape).", params=("input", "filter", "strides", "padding", "explicit_paddings",
+                             "data_format", "dilations", "name")),
+    Patch("batches.tf_keras_scale_loss_by_replica_weight", "tf_keras",
+          "tf_keras.src.utils.losses_utils:scale_loss_for_distribution", REPLACE, SPANS,
+          "Scales a replica's loss by its share of the global batch's rows, not 1/N.",
+          params=("loss_value",), why_replaced="the weight replaces the original's 1/N; "
+          "rescaling its result would round differently from one device."),
+    Patch("batches.tf_keras_global_valid_mask", "tf_keras",
+          "tf_keras.src.utils.losses_utils:apply_valid_mask", REPLACE, SPANS,
+          "Weights unmasked elements by the global batch's count of them.",
+          params=("losses", "sw", "mask", "reduction"), why_replaced="the original's "
+          "weight is the replica's own count; the global one goes to apply_mask, which the "
+          "original calls (outside the gate the original is called)."),
+    Patch("batches.tf_keras_sums_as_means", "tf_keras",
+          "tf_keras.src.engine.compile_utils:LossesContainer.__call__", WRAP, SPANS,
+          "Presents a sum loss as a mean loss of sum / share, exact for gradient and log.",
+          params=("self", "y_true", "y_pred", "sample_weight", "regularization_losses")),
+    Patch("batches.tf_keras_synchronized_batch_normalization", "tf_keras",
+          "tf_keras.src.layers.normalization.batch_normalization:"
+          "BatchNormalizationBase._support_zero_size_input", REPLACE, SPANS,
+          "A synchronized layer updates on every replica, empty ones included.",
+          params=("self",), why_replaced="the answer (False) is the opposite of the "
+          "original's for a synchronized layer (otherwise the original is called)."),
+    Patch("increments.assign_add_per_copy", "keras",
+          "keras.src.backend.tensorflow.core:Variable.assign_add", REPLACE, STRATEGY,
+          "Adds a number to each copy of a mirrored variable where it lives, and to a "
+          "variable shared by asynchronous steps atomically.", params=("self", "value"),
+          why_replaced="the original reads the variable and assigns the sum, the very "
+          "crossing between tasks avoided (otherwise the original is called)."),
+    Patch("increments.assign_sub_per_copy", "keras",
+          "keras.src.backend.tensorflow.core:Variable.assign_sub", REPLACE, STRATEGY,
+          "Subtracts a number from each copy of a mirrored variable where it lives, and "
+          "from a variable shared by asynchronous steps atomically.",
+          params=("self", "value"), why_replaced="the original reads the variable and "
+          "assigns the difference, the very crossing between tasks avoided (otherwise the "
+          "original is called)."),
+    Patch("iterator_hooks.get_next_per_worker", "tensorflow",
+          "tensorflow.python.distribute.input_lib:DistributedIterator.get_next", REPLACE,
+          SPANS, "Picks each worker's batch (or its empty stand-in) on that worker, not "
+          "every replica's in one conditional on one device.", params=("self", "name"),
+          why_replaced="the original's one conditional over every replica's batch is what "
+          "is avoided, and it has no hook to place it per worker; the same TensorFlow "
+          "helpers pick the batches (outside the gate the original is called)."),
+    Patch("data_service_hooks.forget_epoch_steps", "keras",
+          "keras.src.backend.tensorflow.trainer:TFEpochIterator.catch_stop_iteration",
+          WRAP, STRATEGY, "Runs every epoch of a dataset read from the tf.data service to "
+          "its end (its length varies by epoch).", params=("self",),
+          after=("asynchronous_hooks.join_at_epoch_end",)),
+    Patch("data_service_hooks.tf_keras_forget_epoch_steps", "tf_keras",
+          "tf_keras.src.engine.data_adapter:DataHandler.catch_stop_iteration", WRAP,
+          STRATEGY, "Runs every epoch of a dataset read from the tf.data service to its "
+          "end, where tf_keras would end training.", params=("self",),
+          after=("asynchronous_hooks.tf_keras_join_at_epoch_end",)),
+    Patch("asynchronous_hooks.train_asynchronously", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.make_train_function",
+          REPLACE, ASYNCHRONOUS, "Makes the training function one step function per "
+          "worker, run from a thread per worker.", params=("self", "force"),
+          why_replaced="the function the original makes runs every replica in lockstep, "
+          "and nothing of it serves a worker's own steps (outside the gate the original "
+          "is called).", after=("mirroring_hooks.move_tables_after_first_step",)),
+    Patch("asynchronous_hooks.test_waits", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.make_test_function",
+          WRAP, ASYNCHRONOUS, "Evaluation waits for the training steps in flight.",
+          params=("self", "force")),
+    Patch("asynchronous_hooks.predict_waits", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.make_predict_function",
+          WRAP, ASYNCHRONOUS, "Prediction waits for the training steps in flight.",
+          params=("self", "force")),
+    Patch("asynchronous_hooks.join_at_epoch_end", "keras",
+          "keras.src.backend.tensorflow.trainer:TFEpochIterator.catch_stop_iteration",
+          WRAP, ASYNCHRONOUS, "An epoch ends once every step handed out has finished.",
+          params=("self",)),
+    Patch("asynchronous_hooks.checkpoint_save_waits", "tensorflow",
+          "tensorflow.python.checkpoint.functional_saver:MultiDeviceSaver.save", WRAP,
+          ASYNCHRONOUS, "A checkpoint waits for the steps in flight: it holds every update.",
+          params=("self", "file_prefix", "options"),
+          after=("checkpoint_hooks.storage_checked_on_save",)),
+    Patch("asynchronous_hooks.checkpoint_restore_waits", "tensorflow",
+          "tensorflow.python.checkpoint.functional_saver:MultiDeviceSaver.restore", WRAP,
+          ASYNCHRONOUS, "Restoring a checkpoint waits for the steps in flight.",
+          params=("self", "file_prefix", "options"),
+          after=("checkpoint_hooks.storage_checked_on_restore",)),
+    Patch("asynchronous_hooks.save_model_waits", "keras",
+          "keras.src.saving.saving_lib:save_model", WRAP, ASYNCHRONOUS,
+          "Saving a model waits for the steps in flight: it holds every update.",
+          params=("model", "filepath", "weights_format", "zipped")),
+    Patch("asynchronous_hooks.save_weights_waits", "keras",
+          "keras.src.saving.saving_lib:save_weights_only", WRAP, ASYNCHRONOUS,
+          "Saving weights waits for the steps in flight: they hold every update.",
+          params=("model", "filepath", "max_shard_size", "objects_to_skip")),
+    Patch("asynchronous_hooks.load_weights_waits", "keras",
+          "keras.src.saving.saving_lib:load_weights_only", WRAP, ASYNCHRONOUS,
+          "Loading weights waits for the steps in flight.",
+          params=("model", "filepath", "skip_mismatch", "objects_to_skip")),
+    Patch("asynchronous_hooks.tf_keras_train_asynchronously", "tf_keras",
+          "tf_keras.src.engine.training:Model.make_train_function", REPLACE, ASYNCHRONOUS,
+          "Makes the training function one step function per worker, run from a thread "
+          "per worker.", params=("self", "force"),
+          why_replaced="the function the original makes runs every replica in lockstep, "
+          "and nothing of it serves a worker's own steps (outside the gate the original "
+          "is called).", after=("multi_step.tf_keras_unrolled_train_steps",)),
+    Patch("asynchronous_hooks.tf_keras_test_waits", "tf_keras",
+          "tf_keras.src.engine.training:Model.make_test_function", WRAP, ASYNCHRONOUS,
+          "Evaluation waits for the training steps in flight.", params=("self", "force"),
+          after=("multi_step.tf_keras_unrolled_test_steps",)),
+    Patch("asynchronous_hooks.tf_keras_predict_waits", "tf_keras",
+          "tf_keras.src.engine.training:Model.make_predict_function", WRAP, ASYNCHRONOUS,
+          "Prediction waits for the training steps in flight.", params=("self", "force")),
+    Patch("asynchronous_hooks.tf_keras_join_at_epoch_end", "tf_keras",
+          "tf_keras.src.engine.data_adapter:DataHandler.catch_stop_iteration", WRAP,
+          ASYNCHRONOUS, "An epoch ends once every step handed out has finished.",
+          params=("self",)),
     # --- placement, communication, cluster: creation, mirroring, clipping, side_effects, collectives ---
+    Patch("layer_hooks.tag_layer_classes", "keras",
+          "keras.src.layers.layer:Layer.add_weight", WRAP, STRATEGY,
+          "Tags each weight with its layer's classes, for placement when Keras creates "
+          "the variable later, with no layer on the stack.",
+          params=("self", "args", "shape", "initializer", "dtype", "trainable", "autocast",
+                  "regularizer", "constraint", "aggregation", "overwrite_with_gradient",
+                  "name")),
+    Patch("mirroring_hooks.move_tables_after_first_step", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.make_train_function", WRAP,
+          TABLES,
+          "Moves PS tables whose gradient turned out dense to mirrored after the first "
+          "training step, then remakes the step functions.",
+          params=("self", "force")),
+    Patch("clipping_hooks.defer_replica_clipping", "keras",
+          "keras.src.backend.tensorflow.optimizer:TFOptimizer._clip_gradients", WRAP,
+          STRATEGY,
+          "Leaves each replica's gradients unclipped, for clipping their cross-replica sum "
+          "as one device would.",
+          params=("self", "grads")),
+    Patch("clipping_hooks.clip_summed_gradients", "keras",
+          "keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients",
+          WRAP, STRATEGY,
+          "Clips the cross-replica sum of the gradients (PS table sums on their PS), as "
+          "one device clips the whole batch's.",
+          params=("self", "grads_and_vars")),
+    Patch("side_effect_hooks.order_per_task", "tensorflow",
+          "tensorflow.python.framework.auto_control_deps:register_acd_resource_resolver",
+          REGISTER, CLUSTER,
+          "Orders stateful ops that touch no variable among those of the same task, so "
+          "that no worker's step waits for another's.",
+          params=("f",)),
+    Patch("side_effect_hooks.outputs_wait_for_this_task", "tensorflow",
+          "tensorflow.python.eager.polymorphic_function.transform:FUNC_GRAPH_TRANSFORMS",
+          REGISTER, CLUSTER,
+          "Makes a function's outputs wait for the stateful ops of the calling task only, "
+          "not for a tensor from every task each step."),
+    Patch("exit_hooks.keep_functions_at_exit", "tensorflow",
+          "tensorflow.python.eager.polymorphic_function.atomic_function:RUNTIME_FUNCTION_REFS",
+          REPLACE, AT_EXIT, "Lets the interpreter exit without releasing traced functions "
+          "one by one: TensorFlow 2.21 cannot release one whose parts run on remote tasks, "
+          "and logs an UNIMPLEMENTED error for each.",
+          why_replaced="it is the registry of functions to release, not a function: "
+          "dropping it is how TensorFlow's own teardown skips the releases."),
 )

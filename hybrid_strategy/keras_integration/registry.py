@@ -19,6 +19,7 @@ for patch in registry.PATCHES:
 `--markdown` writes the page docs/patches.md is made of.
 """
 
+import functools
 import importlib
 import inspect
 import sys
@@ -94,20 +95,25 @@ def install(name, make):
     For ADD, `original` is None; for REGISTER, `make(target)` registers its handler
     and returns nothing. Returns whether it was installed now (False: already).
     """
+    if name not in _BY_NAME:
+        raise KeyError(f"Patch {name} is not declared in keras_integration/patches.py: "
+                       "every run-time patch must be.")
     patch = _BY_NAME[name]
     if name in _installed:
         return False
     missing = [before for before in patch.after if before not in _installed]
     if missing:
         raise RuntimeError(f"Patch {name} wraps {missing}, which must be installed first.")
-    problem = _problem(patch)
-    if problem is not None:
-        verify([patch])
-    owner, original = _owner_and_original(patch)
+    verify([patch])
+    owner, _ = _owner_and_original(patch)
     if patch.kind == REGISTER:
         make(getattr(owner, patch.path[-1]))
     else:
-        value = make(None if patch.kind == ADD else getattr(owner, patch.path[-1]))
+        original = None if patch.kind == ADD else getattr(owner, patch.path[-1])
+        value = make(original)
+        if inspect.isfunction(value) and inspect.isfunction(original):
+            # The framework's name, docstring and signature (Keras reads `call`'s).
+            functools.update_wrapper(value, original)
         if callable(value) or isinstance(value, property):
             _mark(value, name)
         setattr(owner, patch.path[-1], value)

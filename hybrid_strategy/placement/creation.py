@@ -5,11 +5,11 @@ Keras 3 makes a layer weight in `Layer.add_weight` as a `keras.Variable`, whose
 inside `compute_output_spec` (subclassed models, layers wrapping layers), later
 from `initialize_all_variables()`, with no layer on the stack. Both times the
 `keras.Variable` is on the stack with its path, shape and initializer, and
-`install_layer_tags` has `add_weight` tag it with its layer's classes. tf_keras
-creates every weight inside `add_weight`, whose frame names the layer.
+`add_weight` tags it with its layer's classes (`tag_layer_classes`, called from
+keras_integration/layer_hooks.py). tf_keras creates every weight inside
+`add_weight`, whose frame names the layer.
 """
 
-import functools
 import inspect
 import sys
 import typing
@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from hybrid_strategy.placement import plan as placement_lib
 
-# Set by `install_layer_tags` on each Keras 3 layer weight: its layer's class names.
+# Set by `tag_layer_classes` on each Keras 3 layer weight: its layer's class names.
 _LAYER_CLASSES = "_hybrid_layer_classes"
 
 
@@ -37,28 +37,13 @@ class CreationContext(typing.NamedTuple):
     layer_classes: tuple | None = None
 
 
-def install_layer_tags():
-    """Makes Keras 3 `Layer.add_weight` tag its variable with the layer's classes.
+def tag_layer_classes(variable, layer):
+    """Tags a Keras 3 weight made by `layer.add_weight` with the layer's classes.
 
     A variable whose creation Keras defers keeps the tag until it is created, so
     placement can follow the layer without the layer on the stack.
     """
-    keras = _keras3()
-    if keras is None:
-        return
-    layer_class = keras.layers.Layer
-    original = layer_class.add_weight
-    if getattr(original, _LAYER_CLASSES, False):
-        return
-
-    @functools.wraps(original)
-    def add_weight(self, *args, **kwargs):
-        variable = original(self, *args, **kwargs)
-        setattr(variable, _LAYER_CLASSES, _layer_classes(self))
-        return variable
-
-    setattr(add_weight, _LAYER_CLASSES, True)
-    layer_class.add_weight = add_weight
+    setattr(variable, _LAYER_CLASSES, _layer_classes(layer))
 
 
 def creation_context():

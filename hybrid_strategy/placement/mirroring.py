@@ -5,8 +5,9 @@ A table read by lookup and also whole (a tied output projection,
 worker would read the whole table and push a dense gradient of it each step, where
 an all-reduce moves less (Parallax's rule: a variable whose gradient is dense is
 all-reduced). The gradient's type is known only once the step is traced, after the
-table's reads were traced into it, so Keras 3's training function (hooked here)
-runs its first call as traced, then asks the strategy to move such tables
+table's reads were traced into it, so Keras 3's training function
+(`moving_after_first_call`, which keras_integration/mirroring_hooks.py puts around
+it) runs its first call as traced, then asks the strategy to move such tables
 (`HybridExtended.mirror_dense_tables`: values and optimizer slots, the Keras
 variables wrap mirrored variables from then on) and, if any moved, makes its
 training, evaluation and prediction functions again, which trace the mirrored
@@ -79,36 +80,14 @@ def mirrored_copy(extended, table, replaced_id=None):
     return mirrored if replaced_id is None else _MirroredTable(mirrored, replaced_id)
 
 
-def install_keras_hook(extended_of):
-    """Makes Keras 3's training function move tables after its first call.
+def moving_after_first_call(model, function, extended):
+    """`function`, whose first call is followed by the strategy's moves, if any.
 
     Args:
-        extended_of: `extended_of(strategy)` is the strategy's `HybridExtended`, or
-            None for any other strategy (nothing changes then).
+        model: The Keras 3 model whose training function `function` is.
+        function: `model.train_function`, as Keras made it.
+        extended: The model's strategy's `HybridExtended`.
     """
-    # Keras-private: the trainer whose `make_train_function` sets
-    # `model.train_function`, which `fit` and `train_on_batch` call.
-    from keras.src.backend.tensorflow import trainer as trainer_lib
-
-    trainer_class = trainer_lib.TensorFlowTrainer
-    make = trainer_class.make_train_function
-    if getattr(make, "_hybrid_mirrors_tables", False):
-        return
-
-    def make_train_function(self, force=False):
-        made = force or self.train_function is None
-        result = make(self, force=force)
-        extended = extended_of(self.distribute_strategy)
-        if made and extended is not None:
-            self.train_function = _moving_after_first_call(self, self.train_function, extended)
-        return result
-
-    make_train_function._hybrid_mirrors_tables = True
-    trainer_class.make_train_function = make_train_function
-
-
-def _moving_after_first_call(model, function, extended):
-    """`function`, whose first call is followed by the strategy's moves, if any."""
 
     def first_call(data):
         try:

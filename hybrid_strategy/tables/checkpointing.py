@@ -20,15 +20,16 @@ table is streamed into its h5 dataset and back by blocks of `BLOCK_BYTES`, so th
 holds one block at a time and the file stays an ordinary Keras weights file.
 
 Row blocks themselves are read and written by row_blocks.py; this module checks the
-storage and hooks TensorFlow's saver and Keras' h5 files.
+storage and streams tables to and from Keras' h5 files, for the hooks of TensorFlow's
+saver and Keras' h5 files (keras_integration/checkpoint_hooks.py).
 
 ```python
 import tensorflow as tf
-from hybrid_strategy.tables import checkpointing
+import hybrid_strategy
 from hybrid_strategy.tables import table
+hybrid_strategy.HybridStrategy()                     # installs the hooks
 shards = [tf.Variable(tf.reshape(tf.range(8.0), (4, 2))), tf.Variable(tf.ones((3, 2)))]
 t = table.ShardedTable(shards, "emb/embeddings")   # rows 0, 2, 4, 6 and 1, 3, 5
-checkpointing.install_hooks()
 tf.train.Checkpoint(emb=t).write("/tmp/emb")        # two row blocks
 ```
 """
@@ -40,56 +41,16 @@ import time
 import numpy as np
 import tensorflow as tf
 
-# TF-private: `saveable_object_util.TrackableSaveable` and `functional_saver.MultiDeviceSaver`
-# are patched below (see `install_hooks`).
-from tensorflow.python.checkpoint import functional_saver
-from tensorflow.python.training.saving import saveable_object_util
-
 from hybrid_strategy.tables import table as table_lib
 from hybrid_strategy.tables.row_blocks import read_rows, write_rows
+
 # Bytes of a table the chief holds at once while streaming it to or from an h5 file.
 BLOCK_BYTES = 4 << 20
 _PROBE_PREFIX = ".hybrid_strategy_probe"
-_hooks_installed = False
 
 
 class CheckpointStorageError(OSError):
     """A task cannot write or read the checkpoint path the chief uses."""
-
-
-# Row arithmetic ------------------------------------------------------------------
-
-
-def _restore_every_slice(original):
-    """TrackableSaveable.restore that hands `_restore_from_tensors` every slice of a name.
-
-    TensorFlow's adapter pairs one restored tensor with each local name, so a name
-    saved as several slices (a table's row blocks) would get its first slice only;
-    this passes `{slice_spec: tensor}` for such names, as `MultiDeviceSaver` does.
-    """
-
-    def restore_fn(self, restored_tensors, restored_shapes):
-        if len(self.specs) == len(self._local_names):
-            return original(self, restored_tensors, restored_shapes)
-        grouped = {}
-        for spec, tensor in zip(self.specs, restored_tensors):
-            grouped.setdefault(spec.name, {})[spec.slice_spec] = tensor
-        by_name = {}
-        for local_name, slices in zip(self._local_names, grouped.values()):
-            by_name[local_name] = slices[""] if list(slices) == [""] else slices
-        result = self._trackable._restore_from_tensors(by_name)  # pylint: disable=protected-access
-        return result if result is not None else tf.no_op()
-
-    return restore_fn
-
-
-def _remote_tasks(saver):
-    """`/job:x/replica:0/task:i` of each worker or ps task writing part of `saver`'s files."""
-    tasks = set()
-    for task in saver._shardable_tensors_by_task:  # pylint: disable=protected-access
-        if task.job in ("worker", "ps"):
-            tasks.add(f"/job:{task.job}/replica:0/task:{task.task or 0}")
-    return sorted(tasks)
 
 
 _STORAGE_ADVICE = (
@@ -137,44 +98,12 @@ def check_storage(file_prefix, tasks, mode):
         tf.io.gfile.remove(probe)
 
 
-def _checked(method, mode):
-    """A MultiDeviceSaver method that first checks every remote task sees the path."""
-
-    def checked(self, file_prefix, options=None):
-        # With an io device, that device alone writes and reads the files.
-        tasks = [] if getattr(options, "experimental_io_device", None) else _remote_tasks(self)
-        if tasks and tf.executing_eagerly():
-            check_storage(file_prefix, tasks, mode)
-        return method(self, file_prefix, options)
-
-    return checked
-
-
-def _restore_with_shape(original):
-    """Keras 3 `Variable._restore_from_tensors` given a tensor of known shape.
-
-    On a cluster TensorFlow restores inside a tf.function, where RestoreV2's output
-    has no static shape; Keras' `assign` would fail taking its length. Slices (a
-    table's blocks) pass through untouched.
-    """
-
-    def restore_fn(self, restored_tensors):
-        restored_tensors = {
-            key: tf.ensure_shape(value, self.shape)
-            if tf.is_tensor(value) and value.shape.rank is None else value
-            for key, value in restored_tensors.items()}
-        return original(self, restored_tensors)
-
-    return restore_fn
-
-
-def _table_of(value):
+def table_of(value):
     """The ShardedTable `value` is or wraps (a Keras 3 variable), else None."""
     if table_lib.is_table(value):
         return value
     inner = getattr(value, "_value", None)
     return inner if table_lib.is_table(inner) else None
-
 
 
 # Keras 3 h5 files -------------------------------------------------------------------
@@ -250,98 +179,19 @@ class StoredRows:
         return self.shape[0]
 
 
-def _store_setitem(original):
-    def setitem(self, key, value):
-        table = _table_of(value)
-        if table is None or self.mode not in ("w", "a"):
-            return original(self, key, value)
-        if not self._h5_entry_initialized:
-            self._create_h5_group(self._h5_entry_path)
-        write_h5(self._h5_entry_group, key, table)
-
-    return setitem
+def streamed(dataset):
+    """`StoredRows` of an h5 dataset large enough to be streamed (one of more than
+    `BLOCK_BYTES` holding rows, not one of Keras' own typed ones), else None."""
+    if (dataset is not None and getattr(dataset, "ndim", 0) >= 2
+            and dataset.size * dataset.dtype.itemsize > BLOCK_BYTES
+            and "dtype" not in dataset.attrs):
+        return StoredRows(dataset)
+    return None
 
 
-def _store_getitem(original):
-    def getitem(self, key):
-        dataset = self._h5_entry_group.get(key) if hasattr(self._h5_entry_group, "get") else None
-        if (dataset is not None and getattr(dataset, "ndim", 0) >= 2
-                and dataset.size * dataset.dtype.itemsize > BLOCK_BYTES
-                and "dtype" not in dataset.attrs):
-            return StoredRows(dataset)
-        return original(self, key)
-
-    return getitem
-
-
-def _assign_streaming(original):
-    def assign(self, value):
-        if isinstance(value, StoredRows):
-            table = _table_of(self)
-            if table is not None:
-                read_h5(value.dataset, table)
-                return self
-            value = np.asarray(value)
-        return original(self, value)
-
-    return assign
-
-
-def _optimizer_save_own_variables(self, store):
-    """Keras' `BaseOptimizer.save_own_variables`, with tables passed unread to the store."""
-    for i, variable in enumerate(self.variables):
-        store[str(i)] = variable if _table_of(variable) is not None else variable.numpy()
-
-
-def _not_in_memory_if_tables(original):
-    """`.keras` files of models with tables go through a temporary h5 file on disk.
-
-    Keras would otherwise build the whole h5 file in the chief's memory.
-    """
-
-    def is_memory_sufficient(model):
-        variables = list(model.variables)
-        optimizer = getattr(model, "optimizer", None)
-        variables += list(getattr(optimizer, "variables", None) or [])
-        if any(_table_of(v) is not None for v in variables):
-            return False
-        return original(model)
-
-    return is_memory_sufficient
-
-
-def install_hooks():
-    """Lets TensorFlow's and Keras 3's checkpoints save and restore tables by rows.
-
-    - TensorFlow: restore hands a table all its row blocks (`_restore_every_slice`);
-      saving and restoring on a cluster first checks every task sees the path.
-    - Keras 3: restoring a mirrored variable inside a tf.function gets a tensor of
-      known shape; h5 files stream tables by blocks (store `__setitem__` /
-      `__getitem__`, `Variable.assign`, the optimizer's `save_own_variables`), and
-      `.keras` files of models with tables are built on disk, not in memory.
-    """
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    saveable = saveable_object_util.TrackableSaveable
-    saveable.restore = _restore_every_slice(saveable.restore)
-    saver = functional_saver.MultiDeviceSaver
-    saver.save = _checked(saver.save, "write")
-    saver.restore = _checked(saver.restore, "read")
-    try:
-        import keras
-        from keras.src.optimizers import base_optimizer
-        from keras.src.saving import saving_lib
-    except ImportError:  # tf_keras only: its tables are restored through TensorFlow's path
-        return
-    if not hasattr(keras, "Variable"):
-        return
-    keras.Variable._restore_from_tensors = _restore_with_shape(
-        keras.Variable._restore_from_tensors)
-    keras.Variable.assign = _assign_streaming(keras.Variable.assign)
-    store = saving_lib.H5IOStore
-    store.__setitem__ = _store_setitem(store.__setitem__)
-    store.__getitem__ = _store_getitem(store.__getitem__)
-    base_optimizer.BaseOptimizer.save_own_variables = _optimizer_save_own_variables
-    saving_lib.is_memory_sufficient = _not_in_memory_if_tables(saving_lib.is_memory_sufficient)
+def has_tables(model):
+    """Whether any variable of `model` or of its optimizer is or wraps a PS table."""
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    variables += list(getattr(optimizer, "variables", None) or [])
+    return any(table_of(v) is not None for v in variables)

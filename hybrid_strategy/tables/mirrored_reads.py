@@ -9,11 +9,14 @@ holding 3 tables 6 tensors per step). Under `reading_once(update, device)`, a re
 a mirrored variable on `device` reuses the value read for an earlier table of the same
 optimizer update (`update`, the closure Keras makes for one step's update), so each ps
 task receives each such variable once per step (Adam: 2). A write to the variable
-(`forget`) makes the next read anew.
+(`forget`) makes the next read anew. The conversion of mirrored variables calls
+`read` (keras_integration/optimizer_hooks.py, installed by `HybridStrategy()`).
 
 ```python
 import tensorflow as tf
+import hybrid_strategy
 from hybrid_strategy.tables import mirrored_reads
+hybrid_strategy.HybridStrategy()   # installs the conversion hook
 strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
 with strategy.scope():
     lr = tf.Variable(0.1)
@@ -33,9 +36,6 @@ import threading
 import weakref
 
 import tensorflow as tf
-# TF-private: the class of mirrored variables, whose conversion to a tensor is where a
-# read away from their copies is made.
-from tensorflow.python.distribute import values as values_lib
 
 _scope = threading.local()  # .reads, .device: set by `reading_once`
 # Keras' update closure -> {(variable ref, dtype, graph, device): tensor read}.
@@ -52,7 +52,6 @@ class reading_once:  # pylint: disable=invalid-name
         self._outer = None
 
     def __enter__(self):
-        _install()
         self._outer = (getattr(_scope, "reads", None), getattr(_scope, "device", None))
         _scope.reads, _scope.device = self._reads, self._device
         return self
@@ -69,20 +68,13 @@ def forget(variable):
             del reads[key]
 
 
-def _install():
-    # pylint: disable=protected-access
-    original = values_lib.MirroredVariable._dense_var_to_tensor
-    if getattr(original, "_reads_once", False):
-        return
-
-    def dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        reads = getattr(_scope, "reads", None)
-        if reads is None or as_ref:
-            return original(self, dtype=dtype, name=name, as_ref=as_ref)
-        key = (self.ref(), dtype, tf.compat.v1.get_default_graph(), _scope.device)
-        if key not in reads:
-            reads[key] = original(self, dtype=dtype, name=name, as_ref=as_ref)
-        return reads[key]
-
-    dense_var_to_tensor._reads_once = True
-    values_lib.MirroredVariable._dense_var_to_tensor = dense_var_to_tensor
+def read(convert, variable, dtype=None, name=None, as_ref=False):
+    """`convert(variable, ...)`, a mirrored variable's conversion to a tensor, made
+    once per `reading_once` block's update and device (outside one, every time)."""
+    reads = getattr(_scope, "reads", None)
+    if reads is None or as_ref:
+        return convert(variable, dtype=dtype, name=name, as_ref=as_ref)
+    key = (variable.ref(), dtype, tf.compat.v1.get_default_graph(), _scope.device)
+    if key not in reads:
+        reads[key] = convert(variable, dtype=dtype, name=name, as_ref=as_ref)
+    return reads[key]

@@ -231,61 +231,16 @@ def _describe(regularizer):
     return getattr(type(regularizer), "__qualname__", repr(regularizer))
 
 
-def install_keras_hooks(legacy_keras):
-    """Makes Keras 3 (and `legacy_keras`, tf_keras, if not None) compute the
-    regularizers of PS tables with `penalty`.
-
-    - Keras 3 computes `layer.losses` from each trainable weight's `regularizer`
-      in `Layer._get_regularization_losses`: a weight wrapping a PS table gets
-      `penalty` there.
-    - tf_keras adds `add_loss(lambda: regularizer(variable))` when `add_weight`
-      makes a regularized weight (`_handle_weight_regularization`): a PS table's
-      loss is `penalty` instead.
-    Both fall back to Keras' own computation where `penalty` returns None.
-    """
-    import keras  # pylint: disable=import-outside-toplevel  (Keras 3, whatever tf.keras is)
-    # Keras-private: whether Keras is computing losses statelessly (symbolic
-    # builds), where weights are not read.
-    from keras.src.backend import in_stateless_scope
-
-    layer_class = keras.layers.Layer
-    if not getattr(layer_class._get_regularization_losses, "_hybrid_penalties", False):
-        regularization_losses = layer_class._get_regularization_losses
-
-        def _get_regularization_losses(self):
-            if in_stateless_scope():
-                return regularization_losses(self)
-            losses = []
-            for variable in self.trainable_weights:
-                if variable.regularizer is None:
-                    continue
-                value = getattr(variable, "_value", None)
-                loss = (penalty(value, variable.regularizer)
-                        if table_lib.is_table(value) else None)
-                losses.append(variable.regularizer(variable) if loss is None else loss)
-            return losses
-
-        _get_regularization_losses._hybrid_penalties = True
-        layer_class._get_regularization_losses = _get_regularization_losses
-    if legacy_keras is not None:
-        _install_tf_keras(legacy_keras.layers.Layer)
+def weight_penalty(weight):
+    """The regularization loss of a Keras 3 weight with a regularizer: `penalty` of
+    the PS table it wraps, else (also when `penalty` returns None) its regularizer's
+    value on the whole weight."""
+    value = getattr(weight, "_value", None)
+    loss = penalty(value, weight.regularizer) if table_lib.is_table(value) else None
+    return weight.regularizer(weight) if loss is None else loss
 
 
-def _install_tf_keras(layer_class):
-    handle = layer_class._handle_weight_regularization
-    if getattr(handle, "_hybrid_penalties", False):
-        return
-
-    def _handle_weight_regularization(self, name, variable, regularizer):
-        if not table_lib.is_table(variable):
-            return handle(self, name, variable, regularizer)
-
-        def loss():
-            with tf.name_scope(name + "/Regularizer"):
-                value = penalty(variable, regularizer)
-                return regularizer(variable) if value is None else value
-
-        return self.add_loss(loss)
-
-    _handle_weight_regularization._hybrid_penalties = True
-    layer_class._handle_weight_regularization = _handle_weight_regularization
+def table_penalty(regularizer, table):
+    """`regularizer(table)` as a tf_keras layer's loss: `penalty`, else of the whole table."""
+    value = penalty(table, regularizer)
+    return regularizer(table) if value is None else value

@@ -43,7 +43,6 @@ except sparse_optimizers.UnsupportedOptimizerError as e:
 """
 
 import contextlib
-import functools
 import sys
 import weakref
 
@@ -279,39 +278,21 @@ class RowsView:
         return self._selection.write(self.table, self._value)
 
 
-# Keras hooks --------------------------------------------------------------------
+# Checks and decays the Keras hooks call (keras_integration/optimizer_hooks.py) ----
 
 
-def install_keras_hooks():
-    """Refuses an optimizer that cannot update a PS table at `compile`, or when built.
-
-    `compile` checks the model's tables if it has its variables by then; a model
-    that makes them later (a subclassed model not yet built) is checked when its
-    optimizer is built: Keras 3 builds it when `fit` starts, before it traces a
-    step, tf_keras while it traces the first one. And Keras 3's Muon, whose weight
-    decay assigns each variable in each replica (a table would decay once per
-    replica), decays tables through the strategy as the other optimizers do.
-    """
-    import keras
-    # Keras-private: the base class whose `build` every Keras 3 optimizer calls, and
-    # the one whose `compile` every model's is (loading a `.keras` file compiles a
-    # model only if its `compile` is that very function).
-    from keras.src.optimizers import base_optimizer
-    from keras.src.trainers import trainer
-
-    _patch(base_optimizer.BaseOptimizer, "build", _checking_tables_when_built)
-    _patch(trainer.Trainer, "compile", _checking_tables_when_compiled)
-    _patch(keras.optimizers.Muon, "_apply_weight_decay", _decaying_tables_through_strategy)
-    tf_keras = sys.modules.get("tf_keras")
-    if tf_keras is not None:
-        # tf_keras-private: the base class whose `build` every tf_keras optimizer calls.
-        from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
-
-        _patch(tf_keras_optimizer._BaseOptimizer, "build", _checking_tables_when_built)
-        _patch(tf_keras.Model, "compile", _checking_tables_when_compiled)
+def check_built(optimizer, variables):
+    """Checks `optimizer` against every PS table among `variables` it is built for."""
+    # Wrappers (LossScaleOptimizer, MultiOptimizer) build the optimizers they wrap.
+    if hasattr(optimizer, "inner_optimizer") or hasattr(optimizer, "_optimizer_map"):
+        return
+    for variable in variables:
+        table = _table_behind(variable)
+        if table is not None:
+            check(optimizer, table.path)
 
 
-def _check_model(optimizer, variables):
+def check_model(optimizer, variables):
     """Checks `optimizer` against every PS table among `variables` (`check`)."""
     for variable in variables:
         table = _table_behind(variable)
@@ -319,59 +300,25 @@ def _check_model(optimizer, variables):
             check(_optimizer_for(optimizer, variable), table.path)
 
 
-def _patch(cls, name, wrap):
-    """Replaces method `name` of `cls` by `wrap(the method)`, once, keeping its name
-    and attributes."""
-    method = getattr(cls, name)
-    flag = f"_hybrid_strategy_{wrap.__name__}"
-    if not getattr(method, flag, False):
-        wrapped = functools.wraps(method)(wrap(method))
-        setattr(wrapped, flag, True)
-        setattr(cls, name, wrapped)
+def decay_tables_once(apply_weight_decay, optimizer, variables):
+    """Keras 3 Muon's `apply_weight_decay(optimizer, variables)`, with the tables
+    among `variables` decayed through the strategy, once (Muon's own decay assigns
+    each variable in each replica: a table would decay once per replica)."""
+    tables = [_table_behind(v) for v in variables if _table_behind(v) is not None]
+    apply_weight_decay(optimizer, [v for v in variables if _table_behind(v) is None])
+    if not tables:
+        return
 
+    def decay(distribution, tables):
+        for table in tables:
+            # Muon's own decay of the table (not of the Keras variable, which
+            # would check the rows' shape against the table's).
+            def weight_decay_fn(table):
+                apply_weight_decay(optimizer, [table])
+            distribution.extended.update(table, weight_decay_fn, group=False)
 
-def _checking_tables_when_built(build):
-    def build_checking_tables(self, var_list, *args, **kwargs):
-        # Wrappers (LossScaleOptimizer, MultiOptimizer) build the optimizers they wrap.
-        if not (hasattr(self, "inner_optimizer") or hasattr(self, "_optimizer_map")):
-            for variable in var_list:
-                table = _table_behind(variable)
-                if table is not None:
-                    check(self, table.path)
-        return build(self, var_list, *args, **kwargs)
-
-    return build_checking_tables
-
-
-def _checking_tables_when_compiled(compile_model):
-    def compile_checking_tables(self, *args, **kwargs):
-        result = compile_model(self, *args, **kwargs)
-        if self.optimizer is not None:
-            _check_model(self.optimizer, self.trainable_variables)
-        return result
-
-    return compile_checking_tables
-
-
-def _decaying_tables_through_strategy(apply_weight_decay):
-    def apply_weight_decay_to_tables_once(self, variables):
-        tables = [_table_behind(v) for v in variables if _table_behind(v) is not None]
-        apply_weight_decay(self, [v for v in variables if _table_behind(v) is None])
-        if not tables:
-            return
-
-        def decay(distribution, tables):
-            for table in tables:
-                # Muon's own decay of the table (not of the Keras variable, which
-                # would check the rows' shape against the table's).
-                def weight_decay_fn(table):
-                    apply_weight_decay(self, [table])
-                distribution.extended.update(table, weight_decay_fn, group=False)
-
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            decay, tf.distribute.get_strategy(), tables)
-
-    return apply_weight_decay_to_tables_once
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        decay, tf.distribute.get_strategy(), tables)
 
 
 # Running the rule on rows -------------------------------------------------------

@@ -35,7 +35,6 @@ print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the secon
 
 import collections
 import contextlib
-import functools
 import random
 import threading
 import weakref
@@ -717,67 +716,27 @@ def _resolve(tensor, lookups, depth):
     return None
 
 
-def install_keras_hook():
-    """Lets Keras 3 variables that wrap a PS table use the table's row reads.
+def keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
+    """`tf.shape` of a Keras 3 variable: its static shape when fully defined.
 
-    - `tf.gather(params, ids)` calls `params.sparse_read(ids)` when it exists. Keras 3
-      variables have none, so their gather would read the whole table first; this
-      adds one that exists only for variables wrapping a PS table (or made one by
-      an `on_row_read` handler).
-    - `tf.nn.embedding_lookup` of such a variable takes the same route (TensorFlow
-      would convert it to one dense tensor first).
-    - `tf.shape` of a Keras 3 variable (Keras' `ops.take` asks for it) is answered
-      from the static shape instead of converting, i.e. reading, the variable.
-    - Keras' SavedModel export (`model.export`, `keras.export.ExportArchive`)
-      traces its endpoints for export, reading tables whole (`tracing_for_export`).
+    Static, without reading the variable: Keras' `ops.take` asks for it before the
+    row read, which may move the variable to a PS (`on_row_read`).
     """
-    import keras
-    # Keras-private: the SavedModel export archive whose `write_out` traces the
-    # endpoints before it calls `tf.saved_model.save`.
-    from keras.src.export import saved_model_export_archive
-
-    archive_class = saved_model_export_archive.SavedModelExportArchive
-    if not hasattr(archive_class.write_out, "_reads_tables_whole"):
-        write_out = archive_class.write_out
-
-        def write_out_reading_tables_whole(self, *args, **kwargs):
-            with tracing_for_export():
-                return write_out(self, *args, **kwargs)
-
-        write_out_reading_tables_whole._reads_tables_whole = True
-        archive_class.write_out = write_out_reading_tables_whole
-
-    variable_class = keras.Variable
-    if "sparse_read" in variable_class.__dict__:
-        return
-
-    def sparse_read(self):
-        value = _table_for_row_read(self)
-        if value is None:
-            raise AttributeError("sparse_read")
-        return value.sparse_read
-
-    variable_class.sparse_read = property(sparse_read)
-    dispatch.register_dispatchable_type(variable_class)
-
-    @tf.experimental.dispatch_for_api(tf.shape, {"input": variable_class})
-    def _keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=redefined-builtin
-        value = input._value if is_table(getattr(input, "_value", None)) else input.value
-        if value.shape.is_fully_defined():
-            # Static, without reading the variable: `ops.take` asks before the row
-            # read, which may move the variable to a PS (`on_row_read`).
-            return tf.constant(value.shape.as_list(), dtype=out_type or tf.int32, name=name)
-        return tf.shape(value, out_type=out_type, name=name)
-
-    @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": variable_class})
-    def _keras_variable_embedding_lookup(params, ids, max_norm=None, name=None):
-        # TensorFlow would read a Keras variable whole before gathering.
-        value = _table_for_row_read(params)
-        return tf.nn.embedding_lookup(params.value if value is None else value, ids,
-                                      max_norm=max_norm, name=name)
+    value = input._value if is_table(getattr(input, "_value", None)) else input.value
+    if value.shape.is_fully_defined():
+        return tf.constant(value.shape.as_list(), dtype=out_type or tf.int32, name=name)
+    return tf.shape(value, out_type=out_type, name=name)
 
 
-def _table_for_row_read(keras_variable):
+def keras_variable_embedding_lookup(params, ids, max_norm=None, name=None):
+    """`tf.nn.embedding_lookup` of a Keras 3 variable: by row when it wraps a PS table
+    (TensorFlow would read a Keras variable whole before gathering)."""
+    value = table_for_row_read(params)
+    return tf.nn.embedding_lookup(params.value if value is None else value, ids,
+                                  max_norm=max_norm, name=name)
+
+
+def table_for_row_read(keras_variable):
     """The PS table a Keras 3 variable read by row wraps (after `on_row_read`
     handlers had their say), or None."""
     value = getattr(keras_variable, "_value", None)
@@ -794,30 +753,18 @@ def on_row_read(handler):
         _ROW_READ_HANDLERS.append(handler)
 
 
-def check_embedding_ids(embedding_class, applies):
-    """Makes `embedding_class` check its ids while `applies()` (under HybridStrategy).
+def call_checking_ids(call, layer, inputs):
+    """`call(layer, inputs)`, an Embedding layer's own call, after checking its ids.
 
     Keras 3 turns a negative id -i into row `rows - i` before it reaches the table
     (numpy's `take`), and either flavour casts float ids to int32. Checked here,
     before that, a bad id gets the same error whether its table is on a PS or
-    mirrored: out of range, or not a whole number.
+    mirrored: out of range, or not a whole number. The table's lookup then skips
+    its own check.
     """
-    if getattr(embedding_class.call, "_checks_ids", False):
-        return
-    call = embedding_class.call
-
-    # Keras reads which arguments `call` takes from its signature: this one's is
-    # Embedding.call's own, (self, inputs), in Keras 3 and tf_keras.
-    @functools.wraps(call)
-    def call_checking_ids(self, inputs):
-        if not applies():
-            return call(self, inputs)
-        inputs = checked_layer_ids(self, inputs)
-        with _ids_checked_for(getattr(self.embeddings, "_value", self.embeddings)):
-            return call(self, inputs)
-
-    call_checking_ids._checks_ids = True
-    embedding_class.call = call_checking_ids
+    inputs = checked_layer_ids(layer, inputs)
+    with _ids_checked_for(getattr(layer.embeddings, "_value", layer.embeddings)):
+        return call(layer, inputs)
 
 
 def checked_layer_ids(layer, ids):
