@@ -20,15 +20,15 @@ FRAMEWORKS = ("tensorflow", "keras", "tf_keras")
 
 # (lowest supported, first unsupported): setup.py's install_requires say the same.
 SUPPORTED = {
-    "tensorflow": ("2.21.0", "2.22"),
-    "keras": ("3.14.1", "3.16"),
-    "tf_keras": ("2.21.0", "2.22"),
+    "tensorflow": ("2.21", "2.22"),
+    "keras": ("3.14", "3.16"),
+    "tf_keras": ("2.21", "2.22"),
 }
 
 # The releases every run-time patch was checked against (CI runs both ends).
 CHECKED = {
     "tensorflow": ("2.21.0",),
-    "keras": ("3.14.1", "3.15.1"),
+    "keras": ("3.14.0", "3.15.1"),
     "tf_keras": ("2.21.0",),
 }
 

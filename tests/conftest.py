@@ -1,12 +1,43 @@
-"""Makes the repository and tests/ importable, keeps TensorFlow's logs short, and drops
-the background chief programs (tests/runs.py) no test is left to read."""
+"""Makes the repository and tests/ importable, keeps TensorFlow's logs short, declares the
+markers (`cluster`, `oldest_keras`), and drops the background chief programs
+(tests/runs.py) no test is left to read."""
 
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cluster: starts other processes (a local cluster, or a fresh Python for a "
+        "scenario); deselect with -m 'not cluster' for the in-process tests alone")
+    config.addinivalue_line(
+        "markers", "oldest_keras: the quick subset CI also runs on the oldest supported Keras")
+
+
+# The quick subset CI also runs on the oldest supported Keras (-m oldest_keras): the
+# cluster equivalence tests under Keras 3 and tf_keras, exports, a checkpoint restored
+# on another number of PS tasks, plain Keras unchanged and the patches' own checks.
+OLDEST_KERAS = {
+    "test_equivalence.py": ("keras3_2workers_1ps", "tf_keras_2workers_2ps"),
+    "test_serving.py": ("keras3",),
+    "test_checkpoint.py": ("test_round_trip_on_the_cluster",
+                           "test_restore_on_three_ps_reshards"),
+    "test_saving_user_models.py": ("subclassed",),
+    "test_plain_keras.py": ("",),
+    "test_patches.py": ("",),
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(part in item.nodeid for part in OLDEST_KERAS.get(item.path.name, ())):
+            item.add_marker(pytest.mark.oldest_keras)
 
 
 def pytest_sessionfinish():

@@ -20,6 +20,8 @@ from hybrid_strategy.placement import plan as placement
 from runs import FAULTY_CHIEF, Runs, environ, json_report, on_cluster
 import test_replicas
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SCENARIO = os.path.join(HERE, "async_scenario.py")

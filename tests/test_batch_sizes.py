@@ -19,6 +19,8 @@ import pytest
 import batch_sizes
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "batch_sizes.py")
 TOLERANCE = 1e-5

@@ -12,6 +12,8 @@ from benchmarks import lower_bound
 from benchmarks import netem
 from benchmarks import report
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

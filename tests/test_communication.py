@@ -7,6 +7,8 @@ import tensorflow as tf
 from hybrid_strategy.communication import aggregation as communication
 from hybrid_strategy.tables import table as table_lib
 
+pytestmark = pytest.mark.cluster
+
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 IDS = [5, 1, 5, 2]  # a 7-row table: rows 0, 2, 4, 6 on shard 0, rows 1, 3, 5 on shard 1
 

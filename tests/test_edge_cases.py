@@ -12,6 +12,8 @@ import pytest
 
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "edge_scenario.py")
 TOLERANCE = 1e-5

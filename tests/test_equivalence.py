@@ -15,6 +15,8 @@ import pytest
 import scenario
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "scenario.py")
 TOLERANCE = 1e-5

@@ -14,6 +14,8 @@ import pytest
 
 from runs import Runs
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = ("recommender", "language_model", "decoder_lm", "cnn", "text_classifier", "criteo")
 

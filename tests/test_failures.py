@@ -14,6 +14,8 @@ import pytest
 
 from runs import FAULTY_CHIEF, Runs
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # FAULTY_CHIEF's victims: the server that it kills.

@@ -23,6 +23,8 @@ from hybrid_strategy.cluster import launch
 from hybrid_strategy.cluster import server
 from hybrid_strategy.cluster.launch import LocalCluster
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
 # A chief that prints what it was given as one JSON line.

@@ -23,6 +23,8 @@ from hybrid_strategy.cluster import config as cluster
 from hybrid_strategy.cluster.launch import LocalCluster
 from runs import FAULTY_CHIEF, SMALL_CHIEF, Runs
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
 

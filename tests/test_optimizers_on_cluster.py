@@ -17,6 +17,8 @@ import pytest
 
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "optimizer_scenario.py")
 TOLERANCE = 1e-5

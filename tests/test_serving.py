@@ -15,6 +15,8 @@ import pytest
 
 from runs import Runs, environ, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 1e-5
 

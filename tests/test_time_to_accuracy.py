@@ -12,6 +12,8 @@ import pytest
 from benchmarks import contenders
 from benchmarks import time_to_accuracy as tta
 
+pytestmark = pytest.mark.cluster
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

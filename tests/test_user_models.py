@@ -18,6 +18,8 @@ import pytest
 import user_models
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "user_models.py")
 TOLERANCE = 1e-5

@@ -16,6 +16,8 @@ from hybrid_strategy.communication import wire
 from runs import json_report, on_cluster
 from test_dense_grads import MOVED
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "wire_scenario.py")
 TOLERANCE = 1e-5

@@ -18,6 +18,8 @@ import tensorflow as tf
 from hybrid_strategy.input import worker_input
 from runs import Runs, json_report, on_cluster
 
+pytestmark = pytest.mark.cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIO = os.path.join(HERE, "input_scenario.py")
 TOLERANCE = 1e-5

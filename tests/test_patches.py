@@ -1,0 +1,163 @@
+"""The registry of run-time patches and the supported versions: declared, checked, installed.
+
+Every patch HybridStrategy installs is declared in keras_integration/patches.py and
+nothing else is installed; a target that moved or changed its parameters is refused
+with one error naming the versions; setup.py, versions.py and docs/patches.md agree.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+import hybrid_strategy
+from hybrid_strategy import versions
+from hybrid_strategy.keras_integration import patch as patch_lib
+from hybrid_strategy.keras_integration import registry
+from hybrid_strategy.keras_integration.patches import PATCHES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return hybrid_strategy.HybridStrategy()
+
+
+# In a fresh process: what a strategy installs, and what the registry expects of it.
+INSTALLED = """
+import json
+import hybrid_strategy
+from hybrid_strategy.keras_integration import patch, registry
+hybrid_strategy.HybridStrategy()
+print(json.dumps({"installed": sorted(registry.installed()),
+                  "declared": sorted(p.name for p in registry.PATCHES
+                                     if registry.applicable(p) and p.gate != patch.AT_EXIT)}))
+"""
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"], ids=["keras3", "tf_keras"])
+def test_every_declared_patch_is_installed_and_nothing_else(legacy):
+    env = dict(os.environ, TF_USE_LEGACY_KERAS=legacy, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", INSTALLED], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["installed"] == report["declared"]
+    if legacy == "1":
+        assert any(name.endswith("tf_keras") for name in report["installed"])
+
+
+def test_entries_are_unique_and_replacements_say_why():
+    names = [patch.name for patch in PATCHES]
+    assert len(names) == len(set(names)), "two entries share a name"
+    for patch in PATCHES:
+        module = patch.name.split(".")[0]
+        assert os.path.exists(os.path.join(
+            REPO, "hybrid_strategy", "keras_integration", f"{module}.py")), (
+            f"{patch.name}: its name must start with the keras_integration module that "
+            "installs it")
+        assert (patch.kind == patch_lib.REPLACE) == bool(patch.why_replaced), patch.name
+        for before in patch.after:
+            assert before in names, f"{patch.name} wraps {before}, which is not declared"
+
+
+def test_every_installed_target_matches_its_declaration(strategy):
+    del strategy
+    registry.verify()
+
+
+def _fake_target_module(monkeypatch, method):
+    module = types.ModuleType("fake_keras_target")
+    module.Trainer = type("Trainer", (), {"fit": method})
+    monkeypatch.setitem(sys.modules, "fake_keras_target", module)
+
+
+def _declared(**changes):
+    fields = dict(name="fake.fit_logged", framework="keras",
+                  target="fake_keras_target:Trainer.fit", kind=patch_lib.WRAP,
+                  gate=patch_lib.STRATEGY, purpose="Logs each fit.", params=("self", "x"))
+    fields.update(changes)
+    return patch_lib.Patch(**fields)
+
+
+def test_a_target_with_other_parameters_is_refused_naming_versions(monkeypatch):
+    _fake_target_module(monkeypatch, lambda self, x, y: None)
+    with pytest.raises(versions.UnsupportedVersionError) as raised:
+        registry.verify([_declared()])
+    message = str(raised.value)
+    assert "fake_keras_target:Trainer.fit: parameters (self, x, y), written against (self, x)" \
+        in message
+    assert f"keras {versions.installed('keras')}" in message
+    assert versions.describe_supported() in message
+
+
+def test_a_missing_target_is_refused(monkeypatch):
+    _fake_target_module(monkeypatch, lambda self, x: None)
+    with pytest.raises(versions.UnsupportedVersionError, match="no such attribute"):
+        registry.verify([_declared(target="fake_keras_target:Trainer.evaluate")])
+    with pytest.raises(versions.UnsupportedVersionError, match="ModuleNotFoundError"):
+        registry.verify([_declared(target="keras.src.no_such_module:Trainer.fit")])
+
+
+def test_a_matching_target_passes(monkeypatch):
+    _fake_target_module(monkeypatch, lambda self, x: None)
+    registry.verify([_declared()])
+
+
+def test_declarations_are_checked_when_made():
+    with pytest.raises(ValueError, match="why_replaced"):
+        _declared(kind=patch_lib.REPLACE)
+    with pytest.raises(ValueError, match="gate"):
+        _declared(gate="sometimes")
+    with pytest.raises(ValueError, match="framework"):
+        _declared(framework="jax")
+
+
+def test_versions_outside_the_range_are_refused_unless_allowed(monkeypatch):
+    monkeypatch.setattr(versions, "installed",
+                        lambda name: "3.13.2" if name == "keras" else "2.21.0")
+    monkeypatch.delenv(versions.ALLOW_UNTESTED, raising=False)
+    with pytest.raises(versions.UnsupportedVersionError, match=r"does not support keras 3\.13\.2"):
+        versions.check_installed()
+    monkeypatch.setenv(versions.ALLOW_UNTESTED, "1")
+    versions.check_installed()
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("3.13.2", False), ("3.14.0", True), ("3.15.1", True), ("3.16.0rc1", False),
+    ("3.16.0", False), ("4.0", False)])
+def test_keras_range(version, supported):
+    assert versions.supports("keras", version) is supported
+
+
+def test_setup_py_declares_the_same_ranges():
+    with open(os.path.join(REPO, "setup.py"), encoding="utf-8") as f:
+        setup = f.read()
+    for framework, (low, high) in versions.SUPPORTED.items():
+        distribution = {"tf_keras": "tf-keras"}.get(framework, framework)
+        found = re.search(rf'"{distribution}>=([\d.]+),<([\d.]+)"', setup)
+        assert found, f"setup.py names no range for {distribution}"
+        assert found.groups() == (low, high), (
+            f"setup.py says {distribution}>={found.group(1)},<{found.group(2)}, versions.py "
+            f"says >={low},<{high}")
+
+
+def test_the_docs_page_is_generated_from_the_registry():
+    with open(os.path.join(REPO, "docs", "patches.md"), encoding="utf-8") as f:
+        assert f.read() == registry.markdown(), (
+            "docs/patches.md is stale: python -m hybrid_strategy.keras_integration --markdown "
+            "> docs/patches.md")
+
+
+def test_the_command_prints_every_patch():
+    printed = subprocess.run(
+        [sys.executable, "-m", "hybrid_strategy.keras_integration"], capture_output=True,
+        text=True, check=True, cwd=REPO, timeout=120).stdout
+    for patch in PATCHES:
+        assert patch.name in printed
+    assert f"{len(PATCHES)} patches" in printed
