@@ -16,6 +16,9 @@ Works with Keras 3 and, under TF_USE_LEGACY_KERAS=1, with tf_keras. Prints JSON:
 
     python tests/dense_grads_scenario.py --local-replicas 2
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dense_grads_scenario.py
+
+`--second-model` trains instead the decoder twice under one strategy, with SGD then
+with Adam (as a rerun or a search does), and reports each model's run.
 """
 
 import argparse
@@ -302,6 +305,31 @@ def mixed_precision_case(make_hybrid, make_mirrored):
             "moved": max(scenario.relative_errors(hybrid.get_weights(), weights))}
 
 
+def second_model_case(make_hybrid):
+    """The decoder trained twice under one strategy: each model's tied table is its own
+    variable, of the same path, and is checked and moved (or warned about) afresh."""
+    strategy = make_hybrid()
+    x, y = make_data("lm")
+    keras.utils.set_random_seed(1)
+    weights = lm().get_weights()
+    out = {}
+    for optimizer in ("sgd", "adam"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, trained_with = fit_model(strategy, "lm", weights, optimizer, x, y)
+        reference = reference_weights("lm", weights, optimizer, x, y)
+        out[optimizer] = {
+            "vs_single_device": errors(model, model.get_weights(), reference.get_weights()),
+            "placement": {r.path: [str(r.placement), r.reason] for r in strategy.placement},
+            "devices": scenario.variable_devices(model),
+            "gradient_types": strategy.gradient_types,
+            "slots_on_ps": table_slots_on_ps(trained_with),
+            "warnings": [str(w.message) for w in caught
+                         if type(w.message).__name__ == "PlacementWarning"],
+        }
+    return out
+
+
 def report(make_hybrid, make_mirrored=None):
     return {name: case(make_hybrid, make_mirrored, *spec) for name, spec in CASES.items()}
 
@@ -315,6 +343,8 @@ def main(argv):
                              "and compare with MirroredStrategy on them")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="run only the mixed_float16 case (tf_keras, --local-replicas)")
+    parser.add_argument("--second-model", action="store_true",
+                        help="run only the decoder twice under one strategy")
     args = parser.parse_args(argv)
     devices = scenario.local_cpu_replicas(args.local_replicas)
 
@@ -327,6 +357,8 @@ def main(argv):
     make_mirrored = (lambda: mirrored) if devices else None
     if args.mixed_precision:
         out = {"ctr/mixed_float16": mixed_precision_case(make_hybrid, make_mirrored)}
+    elif args.second_model:
+        out = second_model_case(make_hybrid)
     else:
         out = report(make_hybrid, make_mirrored)
     json.dump(out, sys.stdout)

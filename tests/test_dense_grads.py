@@ -10,6 +10,10 @@ among them, where 2 workers swap once), with one CPU replica each and with two
 (summed on their worker first); and the regularized model once more
 in tf_keras' mixed_float16 with loss scaling, beside MirroredStrategy. The in-process
 tests below check what no cluster is needed for.
+
+`--second-model` trains the decoder a second time under the same strategy (SGD, then
+Adam), on one machine under Keras 3 and tf_keras and on 2 workers and 1 ps under Keras 3:
+the second model's table is a new variable of the same path, checked afresh.
 """
 
 import functools
@@ -21,6 +25,8 @@ import pytest
 
 import dense_grads_scenario as scenario
 from runs import Runs, json_report, on_cluster
+
+pytestmark = pytest.mark.cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dense_grads_scenario.py")
@@ -46,7 +52,24 @@ def shape_report(shape):
         arguments, f"dense_grads_scenario on {shape}", flavour, timeout=1800)
 
 
+# name -> (arguments after python, Keras flavour, replicas, ps tasks)
+SECOND_MODEL = {
+    "second_model_one_machine": (
+        [SCRIPT, "--local-replicas", "2", "--second-model"], "keras3", 2, 0),
+    "second_model_tf_keras_one_machine": (
+        [SCRIPT, "--local-replicas", "2", "--second-model"], "tf_keras", 2, 0),
+    "second_model_2workers_1ps": (
+        on_cluster(SCRIPT, "--second-model", workers=2, ps=1), "keras3", 2, 1),
+}
+
+
+def second_model_report(key):
+    arguments, flavour, replicas, num_ps = SECOND_MODEL[key]
+    return flavour, replicas, num_ps, json_report(arguments, key, flavour, timeout=1800)
+
+
 RUNS = Runs({**{shape: functools.partial(shape_report, shape) for shape in SHAPES},
+             **{key: functools.partial(second_model_report, key) for key in SECOND_MODEL},
              "mixed_precision": functools.partial(
                  json_report, [SCRIPT, "--local-replicas", "2", "--mixed-precision"],
                  "dense_grads_scenario in mixed_float16", "tf_keras", timeout=1800)})
@@ -154,6 +177,35 @@ def test_a_regularizer_that_is_not_a_sum_over_rows_warns_and_trains(report):
     else:
         assert on_ps(case["devices"]["deep_0/embeddings"], num_ps)
     assert case["gradient_types"]["deep_1/embeddings"] == "sparse"
+
+
+@pytest.fixture(scope="module", params=list(SECOND_MODEL))
+def second_model(request):
+    return RUNS.result(request.param, request)
+
+
+def test_a_second_model_under_the_same_strategy_moves_its_own_tied_table(second_model):
+    flavour, replicas, num_ps, result = second_model
+    for optimizer, case in result.items():
+        errors = case["vs_single_device"]
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, (
+            f"{optimizer}: {worst} differs from single-device training by {errors[worst]:.2e}")
+        assert case["gradient_types"]["token/embeddings"] == "dense", optimizer
+        if flavour == "tf_keras":
+            # The table stays on its PS: each model's is warned about.
+            assert on_ps(case["devices"]["token/embeddings"], num_ps), optimizer
+            (warning,) = case["warnings"]
+            assert "'token/embeddings' is on a PS but gets a dense gradient" in warning
+            continue
+        assert case["placement"]["token/embeddings"] == ["mirrored", MOVED], optimizer
+        devices = case["devices"]["token/embeddings"]
+        assert len(devices) == replicas and not any("/job:ps/" in d for d in devices)
+        assert case["warnings"] == [], optimizer
+    if flavour == "keras3":
+        # Adam's slots of the second table moved with it; the position table's stayed.
+        slots = result["adam"]["slots_on_ps"]
+        assert slots and all("position" in slot for slot in slots)
 
 
 # In-process checks, on this process's single device ------------------------------

@@ -214,3 +214,29 @@ def test_a_ps_table_with_a_dense_gradient_moves_to_mirrored_unless_it_must_stay(
     ps.decide(info("dense/kernel"))
     assert ps.stays_on_ps("dense/kernel", 1) == (
         "architecture 'ps' keeps every layer weight on a PS")
+
+
+def test_a_newer_variable_of_a_path_keeps_its_record_when_an_older_one_moves():
+    """Two models under one strategy: the first model's table moving to mirrored after
+    the second one was built frees its own bytes and leaves the second one's record."""
+    policy = placement.PlacementPolicy("hybrid", num_ps=2)
+    first = policy.decide(info("tied/embeddings", (100, 4), EMBEDDING))
+    policy.move_to_mirrored("tied/embeddings", "dense gradient")
+    second = policy.decide(info("tied/embeddings", (100, 4), EMBEDDING))
+    assert second.ps_tasks == first.ps_tasks == (0,)
+    third = policy.decide(info("tied/embeddings", (100, 4), EMBEDDING))
+    assert third.ps_tasks == (1,)
+    # The second table moves, then the third: the plan shows the third until it moves.
+    policy.move_to_mirrored("tied/embeddings", "dense gradient", second, row_bytes=16)
+    assert policy.plan["tied/embeddings"].placement is third
+    assert policy.decide(info("next/embeddings", (100, 4), EMBEDDING)).ps_tasks == (0,)
+    policy.move_to_mirrored("tied/embeddings", "dense gradient", third, row_bytes=16)
+    assert policy.plan["tied/embeddings"].placement == placement.Placement("mirrored")
+    # A new variable of a moved path is decided afresh, and may move to the PS.
+    bag = info("bag/table", (100, 4))
+    policy.decide(bag)
+    assert policy.move_to_ps(bag, "read by row").kind == "ps"
+    policy.move_to_mirrored("bag/table", "dense gradient")
+    assert policy.move_to_ps(bag, "read by row") is None
+    policy.decide(bag)
+    assert policy.move_to_ps(bag, "read by row").kind == "ps"

@@ -49,7 +49,7 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
 
-class _MirroredTable(values_lib.MirroredVariable):
+class MirroredTable(values_lib.MirroredVariable):
     """A mirrored variable that took a PS table's place.
 
     Keras 3 optimizers know a variable by its TensorFlow variable's `_unique_id`;
@@ -77,7 +77,7 @@ def mirrored_copy(extended, table, replaced_id=None):
         initial_value=table.read_value, dtype=table.dtype, trainable=table.trainable,
         name=table.path.rsplit("/", 1)[-1], aggregation=table.aggregation,
         synchronization=table.synchronization)
-    return mirrored if replaced_id is None else _MirroredTable(mirrored, replaced_id)
+    return mirrored if replaced_id is None else MirroredTable(mirrored, replaced_id)
 
 
 def moving_after_first_call(model, function, extended):

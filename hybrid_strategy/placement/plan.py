@@ -241,7 +241,8 @@ class PlacementPolicy:
     Later, a mirrored variable found to be read by row moves to a PS
     (`move_to_ps`), and a PS variable found to get a dense gradient moves to
     mirrored unless `stays_on_ps` says why not (`move_to_mirrored`); a variable
-    moved to mirrored stays there.
+    moved to mirrored stays there. The plan describes each path's latest variable:
+    a new variable of a path (another model's) is decided afresh.
     A PS variable's rows are dealt into
     `min(num_ps, bytes // min_shard_bytes)` shards (at least one; shard k of S
     holds rows k::S), or the number
@@ -299,6 +300,7 @@ class PlacementPolicy:
 
     def decide(self, info):
         """Returns the `Placement` of `info` and records it in `self.plan`."""
+        self._moved_to_mirrored.discard(info.path)
         kind, reason = self._kind(info)
         if kind == PS and not info.shape:
             pattern = self._override_of(info.path)
@@ -348,18 +350,26 @@ class PlacementPolicy:
                     f"on each worker, more than max_mirrored_bytes={self.max_mirrored_bytes:,}")
         return None
 
-    def move_to_mirrored(self, path, reason):
+    def move_to_mirrored(self, path, reason, placement=None, row_bytes=None):
         """Records the PS variable `path` (in the plan) as mirrored from now on, with `reason`.
 
         For a variable found to get a dense gradient that `stays_on_ps` lets go.
+        `placement` is the one `decide` or `move_to_ps` gave that variable, of
+        `row_bytes` bytes a row (default: the plan's for `path`): its PS bytes are
+        freed, and the plan changes only if it still describes that variable, not a
+        newer one of the same path.
         """
         record = self.plan[path]
-        row_bytes = record.nbytes // max(record.shape[0], 1) if record.shape else 0
-        for shard in record.placement.shards:
+        placement = placement or record.placement
+        if row_bytes is None:
+            row_bytes = record.nbytes // max(record.shape[0], 1) if record.shape else 0
+        for shard in placement.shards:
             if shard.task is not None:
                 self._ps_bytes[shard.task] -= shard.rows * row_bytes
-        self.plan.add(dataclasses.replace(record, placement=Placement(MIRRORED), reason=reason))
-        self._moved_to_mirrored.add(path)
+        if record.placement is placement:
+            self.plan.add(dataclasses.replace(record, placement=Placement(MIRRORED),
+                                              reason=reason))
+            self._moved_to_mirrored.add(path)
 
     def unmatched_overrides(self):
         """The `placement_overrides` patterns that matched no variable so far."""

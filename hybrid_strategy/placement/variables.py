@@ -53,11 +53,16 @@ class Placer:
         self._variable_infos = {}
         self._slots_of = {}
         self._keras_variables = {}
-        # Path -> PS table found to get a dense gradient in Keras' first step.
-        self._dense_tables = {}
+        # PS table -> the `Placement` it was given, whose bytes a move to mirrored frees.
+        self._placements = {}
+        # PS tables found to get a dense gradient in Keras' first step.
+        self._dense_tables = []
         self._mirroring_after_step = False
         self._overrides_checked = False
+        # A path's latest type; each variable is examined once, by itself: a second
+        # model under this strategy reuses the first one's paths.
         self.gradient_types = {}
+        self._examined = set()
 
     def create(self, next_creator, kwargs, create_mirrored):
         """The strategy's `_create_variable`: a PS table, a shared variable (asynchronous
@@ -89,6 +94,7 @@ class Placer:
             devices = [self._ps_devices[shard.task or 0] for shard in decided.shards]
             table = self.create_table(next_creator, kwargs, info.path, info.shape,
                                       devices, context.initializer)
+            self._placements[table.ref()] = decided
             if context.keras_variable is not None:
                 self._keras_variables[table.ref()] = weakref.ref(context.keras_variable)
             return table
@@ -134,7 +140,9 @@ class Placer:
         """
         mirrored = keras_variable._value
         info = self._variable_infos.get(mirrored.ref())
-        if info is None or not mirrored.trainable:
+        # A table moved to mirrored for its dense gradient stays there.
+        if (info is None or not mirrored.trainable
+                or isinstance(mirrored, mirroring.MirroredTable)):
             return None
         decided = self._policy.move_to_ps(info, "read by row (moved at its first read)")
         if decided is None:
@@ -149,6 +157,7 @@ class Placer:
                 slot._value = self._table_from(
                     slot._value, f"{info.path}/{slot.name}", devices, table_lib.ShardedTable)
         keras_variable._value = table
+        self._placements[table.ref()] = decided
         self._keras_variables[table.ref()] = weakref.ref(keras_variable)
         self._slots_of[table.ref()] = [weakref.ref(slot) for slot in slots]
         # The mirrored copies are not kept (the table is the variable now).
@@ -189,11 +198,12 @@ class Placer:
         else:
             info = self._variable_infos.get(var.ref())
             path, kind = info and info.path, placement_lib.MIRRORED
-        if path is None or path in self.gradient_types:
+        if path is None or var.ref() in self._examined:
             return
+        self._examined.add(var.ref())
         self.gradient_types[path] = "sparse" if sparse else "dense"
         if kind == placement_lib.PS and not sparse and self._mirroring_after_step:
-            self._dense_tables[path] = var
+            self._dense_tables.append(var)
             return
         advice = placement_lib.gradient_misfit(kind, sparse)
         if advice:
@@ -218,16 +228,20 @@ class Placer:
         (`_stays_on_ps`); one that stays is warned about, saying why. The step must
         then be traced again.
         """
-        tables, self._dense_tables = self._dense_tables, {}
+        tables, self._dense_tables = self._dense_tables, []
         moved = False
-        for path, table in tables.items():
+        for table in tables:
+            path = table.path
             why = self._stays_on_ps(table)
             if why is not None:
                 _warn_misfit(path, "is on a PS but gets a dense gradient: the whole "
                                    f"variable crosses the network every step. It stays "
                                    f"on the PS: {why}")
                 continue
-            self._policy.move_to_mirrored(path, "dense gradient (moved after the first step)")
+            self._policy.move_to_mirrored(
+                path, "dense gradient (moved after the first step)",
+                self._placements.pop(table.ref(), None),
+                table.shape[1:].num_elements() * table.dtype.size)
             keras_variable = self._keras_variables.pop(table.ref())()
             slots = [ref() for ref in self._slots_of.pop(table.ref(), ())]
             with tf.init_scope():
