@@ -26,6 +26,7 @@ from hybrid_strategy.keras_integration import increments
 from hybrid_strategy.keras_integration import iterator_hooks
 from hybrid_strategy.keras_integration import keras_input
 from hybrid_strategy.keras_integration import layer_hooks
+from hybrid_strategy.keras_integration import loss_scaling_hooks
 from hybrid_strategy.keras_integration import mirroring_hooks
 from hybrid_strategy.keras_integration import multi_step
 from hybrid_strategy.keras_integration import optimizer_hooks
@@ -87,6 +88,7 @@ def install_all(strategy_class, connected):
     multi_step.install(gates.spans_devices)
     asynchronous_hooks.install(gates.asynchronous_scope)
     clipping_hooks.install(gates.under_hybrid_strategy)
+    loss_scaling_hooks.install(gates.under_hybrid_strategy)
     side_effect_hooks.order_per_task()
     optimizer_hooks.install()
     batches.install_keras_hooks()

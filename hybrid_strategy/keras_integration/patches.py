@@ -373,4 +373,10 @@ PATCHES = (
           "and logs an UNIMPLEMENTED error for each.",
           why_replaced="it is the registry of functions to release, not a function: "
           "dropping it is how TensorFlow's own teardown skips the releases."),
+    # --- mixed precision ---------------------------------------------------------
+    Patch("loss_scaling_hooks.finite_check_by_rows", "keras",
+          "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer.check_finite", WRAP,
+          STRATEGY, "Checks a PS table's gradient for inf/NaN by its rows' values, where Keras "
+          "fills a boolean tensor of the whole table each step (mixed_float16).",
+          params=("self", "grads")),
 )
