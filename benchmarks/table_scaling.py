@@ -2,9 +2,11 @@
 
     python -m benchmarks.table_scaling [--json results.json]
 
-For every table size (default 100k, 1M and 4M rows x 64 float32) and optimizer
+For every table size (default 100k, 1M and 4M rows x 64 float32), optimizer
 (default Keras 3 SGD and Adagrad; `--optimizers` also takes adam, adamw, ftrl and
-lamb), starts a local cluster of 2 workers + 2 ps with
+lamb) and Keras mixed-precision policy (default float32; `--policies` also takes
+mixed_float16, where Keras wraps the optimizer in a LossScaleOptimizer, and
+mixed_bfloat16), starts a local cluster of 2 workers + 2 ps with
 `python -m hybrid_strategy.launch` and runs this file as its chief
 (`python -m benchmarks.table_scaling --chief ...`), one cluster per run. The chief
 trains, under `HybridStrategy()`,
@@ -27,8 +29,9 @@ time, steps/s over the measured steps' wall time, and the peak RSS (VmHWM from
 /proc/<pid>/status) of every task after the measured steps: worker 0, worker 1,
 ps 0, ps 1 and the chief.
 
-The check: per optimizer, the largest median step time over the smallest must be
-<= 1.3 (step time does not grow with the table). It prints PASS or FAIL with the
+The check: per optimizer and policy, the largest median step time over the smallest
+must be <= 1.3 (step time does not grow with the table). `--code-dir` runs another
+checkout's package (the one before a change, say) with this file. It prints PASS or FAIL with the
 figures, the machine (nproc, CPU model, load average before the runs) and the exact
 commands. On loopback every task shares this machine's cores, so the step times
 are the per-step cost of the strategy here, not the speed of a real network.
@@ -52,6 +55,7 @@ DIM = 64
 SEQUENCE = 20
 TARGET_RATIO = 1.3
 OPTIMIZERS = ("sgd", "adagrad")  # run by default
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 # Keras 3 optimizers a run may use (lazy updates): class name, table-sized slots.
 CHOICES = {"sgd": ("SGD", 0), "adagrad": ("Adagrad", 1), "adam": ("Adam", 2),
            "adamw": ("AdamW", 2), "ftrl": ("Ftrl", 2), "lamb": ("Lamb", 2)}
@@ -124,6 +128,7 @@ def run_chief(options):
         out["chief"] = proc_status()
         return out
 
+    keras.mixed_precision.set_global_policy(options.policy)
     # The strategy first: it connects this process to the cluster.
     strategy = hybrid_strategy.HybridStrategy()
     memory_connected = memory()
@@ -165,6 +170,9 @@ def run_chief(options):
     wall = ends[-1] - begins[0]
     result = {
         "rows": options.rows, "dim": DIM, "optimizer": options.optimizer,
+        "policy": options.policy, "optimizer_class": type(model.optimizer).__name__,
+        "gradient_type": next((kind for path, kind in strategy.gradient_types.items()
+                               if path.endswith("embedding/embeddings")), None),
         "distribution": options.distribution, "batch_size": batch,
         "warmup": options.warmup, "steps": len(measured),
         "table_mib": options.rows * DIM * 4 / 2 ** 20,
@@ -229,9 +237,9 @@ def step_timer(keras):
 # Driver -------------------------------------------------------------------------
 
 
-def chief_argv(options, rows, optimizer, result_file):
+def chief_argv(options, rows, optimizer, policy, result_file):
     return [sys.executable, "-m", "benchmarks.table_scaling", "--chief",
-            "--rows", str(rows), "--optimizers", optimizer,
+            "--rows", str(rows), "--optimizers", optimizer, "--policies", policy,
             "--steps", str(options.steps), "--warmup", str(options.warmup),
             "--workers", str(options.workers), "--ps", str(options.ps),
             "--batch-size", str(options.batch_size),
@@ -246,24 +254,18 @@ def launcher_argv(options, chief):
              "--workers", str(options.workers), "--ps", str(options.ps), "--"] + chief)
 
 
-def environ():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
-def measure(options, rows, optimizer):
-    label = f"{rows:,} rows, {optimizer}"
+def measure(options, rows, optimizer, policy):
+    label = f"{rows:,} rows, {optimizer}, {policy}"
     with tempfile.TemporaryDirectory(prefix="table_scaling_") as tmp:
         result_file = os.path.join(tmp, "result.json")
-        argv = launcher_argv(options, chief_argv(options, rows, optimizer, result_file))
+        argv = launcher_argv(options, chief_argv(options, rows, optimizer, policy, result_file))
         shown = shlex.join(launcher_argv(
-            options, chief_argv(options, rows, optimizer, "RESULT.json")))
+            options, chief_argv(options, rows, optimizer, policy, "RESULT.json")))
         print(f"[{label}] {shown}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            done = subprocess.run(argv, env=environ(), cwd=REPO, stdout=subprocess.PIPE,
+            done = subprocess.run(argv, env=machine.environment(options.code_dir), cwd=REPO,
+                                  stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True,
                                   timeout=options.timeout)
             output, code = done.stdout, done.returncode
@@ -280,7 +282,7 @@ def measure(options, rows, optimizer):
         tail = "\n".join(output.rstrip().splitlines()[-40:])
         print(f"[{label}] failed (exit {code}) after {seconds:.0f} s; last output:\n{tail}",
               file=sys.stderr, flush=True)
-        return {"rows": rows, "optimizer": optimizer, "command": shown,
+        return {"rows": rows, "optimizer": optimizer, "policy": policy, "command": shown,
                 "error": tail, "wall_s": seconds}
     result["command"] = shown
     result["wall_s"] = seconds
@@ -300,18 +302,18 @@ def _tasks(options):
 
 def table(results, options):
     tasks = _tasks(options)
-    head = (["rows", "optimizer", "median step ms", "p10-p90 ms", "steps/s",
+    head = (["rows", "optimizer", "policy", "median step ms", "p10-p90 ms", "steps/s",
              "distinct ids/step", "shards", "table+slots per ps MiB"]
             + [f"peak RSS {t} MiB" for t in tasks])
     lines = ["| " + " | ".join(head) + " |",
-             "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|"]
+             "|" + "|".join(["---:", "---", "---"] + ["---:"] * (len(head) - 3)) + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['rows']:,} | {r['optimizer']} | failed |"
-                         + " |" * (len(head) - 3))
+            lines.append(f"| {r['rows']:,} | {r['optimizer']} | {r['policy']} | failed |"
+                         + " |" * (len(head) - 4))
             continue
         peak = r["peak_rss_mib"]
-        cells = [f"{r['rows']:,}", r["optimizer"], f"{r['median_step_ms']:.1f}",
+        cells = [f"{r['rows']:,}", r["optimizer"], r["policy"], f"{r['median_step_ms']:.1f}",
                  f"{r['p10_step_ms']:.0f}-{r['p90_step_ms']:.0f}",
                  f"{r['steps_per_s']:.1f}", f"{r['distinct_ids_per_step']:,.0f}",
                  str(r["shards"]),
@@ -322,13 +324,13 @@ def table(results, options):
     return "\n".join(lines)
 
 
-def checks(results, optimizers):
-    """Per optimizer: largest / smallest median step time, against TARGET_RATIO."""
+def checks(results, optimizers, policies):
+    """Per optimizer and policy: largest / smallest median step time, against TARGET_RATIO."""
     out = []
-    for optimizer in optimizers:
-        runs = [r for r in results if r["optimizer"] == optimizer]
+    for optimizer, policy in ((o, p) for o in optimizers for p in policies):
+        runs = [r for r in results if (r["optimizer"], r["policy"]) == (optimizer, policy)]
         ok = [r for r in runs if "error" not in r]
-        entry = {"optimizer": optimizer, "target": TARGET_RATIO}
+        entry = {"optimizer": optimizer, "policy": policy, "target": TARGET_RATIO}
         if len(ok) != len(runs):
             entry.update(ratio=None, verdict="FAIL",
                          why=f"{len(runs) - len(ok)} of {len(runs)} runs failed")
@@ -358,7 +360,7 @@ def report(results, verdicts, host, options, invocation):
              table(results, options), ""]
     for v in verdicts:
         ratio = f"{v['ratio']:.2f}" if v["ratio"] is not None else "n/a"
-        lines.append(f"- {v['optimizer']}: largest/smallest median step time = {ratio} "
+        lines.append(f"- {v['optimizer']}, {v['policy']}: largest/smallest median step time = {ratio} "
                      f"(target <= {v['target']}): **{v['verdict']}** ({v['why']})")
     lines += ["", f"machine: {machine.summary(host)}",
               f"command: `{invocation}`",
@@ -374,6 +376,11 @@ def parse(argv):
                         help="comma-separated table sizes (default %(default)s)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                         help=f"comma-separated, from {','.join(CHOICES)} (default %(default)s)")
+    parser.add_argument("--policies", default="float32",
+                        help=f"comma-separated Keras mixed-precision policies, from "
+                        f"{','.join(POLICIES)} (default %(default)s)")
+    parser.add_argument("--code-dir", default=machine.REPO,
+                        help="checkout whose hybrid_strategy package runs (default this one)")
     parser.add_argument("--steps", type=int, default=100, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=10,
                         help="steps before measuring; the first traces (default %(default)s)")
@@ -400,14 +407,21 @@ def parse(argv):
     unknown = sorted(set(options.optimizer_list) - set(CHOICES))
     if unknown:
         parser.error(f"unknown optimizer(s) {unknown}; choose from {','.join(CHOICES)}")
+    options.policy_list = [p.strip() for p in options.policies.split(",") if p.strip()]
+    unknown = sorted(set(options.policy_list) - set(POLICIES))
+    if unknown or not options.policy_list:
+        parser.error(f"unknown policies {unknown or options.policies!r}; choose from "
+                     f"{','.join(POLICIES)}")
     if not options.rows_list or min(options.rows_list) < 1:
         parser.error("--rows needs at least one positive size")
     if options.steps < 1 or options.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step traces)")
     if options.chief:
-        if len(options.rows_list) != 1 or len(options.optimizer_list) != 1:
-            parser.error("--chief runs one table size and one optimizer")
+        if (len(options.rows_list), len(options.optimizer_list), len(options.policy_list)) \
+                != (1, 1, 1):
+            parser.error("--chief runs one table size, one optimizer and one policy")
         options.rows, options.optimizer = options.rows_list[0], options.optimizer_list[0]
+        options.policy = options.policy_list[0]
     return options
 
 
@@ -419,9 +433,10 @@ def main(argv=None):
     invocation = shlex.join(["python", "-m", "benchmarks.table_scaling"] + argv)
     host = machine.describe()  # the load average before our own runs add to it
     started = time.perf_counter()
-    results = [measure(options, rows, optimizer)
-               for optimizer in options.optimizer_list for rows in options.rows_list]
-    verdicts = checks(results, options.optimizer_list)
+    results = [measure(options, rows, optimizer, policy)
+               for optimizer in options.optimizer_list for policy in options.policy_list
+               for rows in options.rows_list]
+    verdicts = checks(results, options.optimizer_list, options.policy_list)
     text = report(results, verdicts, host, options, invocation)
     total = time.perf_counter() - started
     print("\n" + text + f"\n\ntotal time: {total:.0f} s")
