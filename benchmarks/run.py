@@ -39,7 +39,15 @@ benchmarks/results/<model>-w<W>-p<P>-<network>.json), which benchmarks/report.py
 benchmarks/results/README.md and plots. A contender that fails is reported with the tail
 of its output; the others still run. One that hangs fails after `--timeout` in all, or
 sooner, `--stall-timeout` seconds after its last step (its trainers report their steps
-at most once a second). `--cleanup` removes leftover namespaces (hsb-*).
+at most once a second). `--cleanup` removes leftover namespaces and CPU groups (hsb-*).
+
+Machines of their own: with `--machine-cpus C` every emulated machine also gets its own
+CPU share, a cgroup with a CFS quota of C cores per `--quota-period-ms` (every task of
+every contender on a machine of its own, the chief and `single` too; with `--colocate`
+worker i and ps i share one, Parallax's layout), and each task's TensorFlow thread pools
+are sized for it (ceil(C) threads). benchmarks/cpu_groups.py says how; where cgroups
+cannot be written the run stops before any process starts, saying why. Without it, every
+task shares this machine's cores, as before; the report names which with every table.
 """
 
 import argparse
@@ -58,6 +66,7 @@ import tempfile
 import time
 
 from benchmarks import contenders as contenders_lib
+from benchmarks import cpu_groups
 from benchmarks import machine as machine_lib
 from benchmarks import netem
 from benchmarks import report
@@ -241,6 +250,9 @@ class ContenderRun:
         self.trainers = trainers_of(contender, self.tasks)
         self.servers = [t for t in self.tasks if t not in self.trainers]
         self.net = None
+        self.groups = None  # cpu_groups.CpuGroups with --machine-cpus
+        self.machine_of = (cpu_groups.layout([t.name for t in self.tasks], options.colocate)
+                           if getattr(options, "machine_cpus", None) else {})
         self.samples = {}  # phase -> {"counters", "tcp", "time"}
         self.rss = {}
         self.commands = []
@@ -270,11 +282,26 @@ class ContenderRun:
     def _spawn(self, task, argv, env):
         task.log = open(os.path.join(self.workdir, f"{task.name}.log"), "w+")
         full = self._prefix(task) + argv
-        self.commands.append({"task": task.name, "argv": shlex.join(full),
-                              "TF_CONFIG": env.get("TF_CONFIG")})
+        preexec = _die_with_us()
+        command = {"task": task.name, "argv": shlex.join(full),
+                   "TF_CONFIG": env.get("TF_CONFIG")}
+        if self.groups is not None:
+            # Thread pools sized for the machine's share; the child joins its machine's
+            # group before it execs, so every thread it starts runs under the quota.
+            threads = cpu_groups.thread_environment(self.options.machine_cpus)
+            env = dict(env, **threads)
+            machine = self.machine_of[task.name]
+            join, die_with_us = self.groups.joiner(machine), preexec
+
+            def preexec():
+                die_with_us()
+                join()
+
+            command.update(machine=machine, cgroup=self.groups.path(machine), **threads)
+        self.commands.append(command)
         task.process = subprocess.Popen(
             full, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=task.log,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_us())
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
 
     # Run ------------------------------------------------------------------------------
 
@@ -289,6 +316,16 @@ class ContenderRun:
                                          link_gbit=self.options.link_gbit)
                 self.net.start()
                 result["qdisc"] = self.net.qdisc(self.tasks[0].name)
+            if self.machine_of:
+                self.groups = cpu_groups.CpuGroups(
+                    self.options.machine_cpus, self.options.quota_period_ms,
+                    root=self.options.cgroup_root).check()
+                for machine in dict.fromkeys(self.machine_of.values()):
+                    self.groups.add(machine)
+                result["machines"] = dict(self.machine_of)
+                # As the kernel holds them: (quota, period) in microseconds.
+                result["cpu_groups"] = {m: list(self.groups.limits(m))
+                                        for m in dict.fromkeys(self.machine_of.values())}
             addresses = self._addresses() if self.contender != "single" else {}
             if self.contender != "single":
                 result["cluster"] = {t.name: addresses[t.name] for t in self.tasks}
@@ -305,6 +342,8 @@ class ContenderRun:
             result["output_tail"] = self._tails()
         finally:
             self._stop()
+            if self.groups is not None:
+                self.groups.close()
             if self.net is not None:
                 self.net.close()
             result["wall_seconds"] = round(time.monotonic() - started, 1)
@@ -628,7 +667,9 @@ def parse(argv):
                         help="length of the trace with --profile (default 3000)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep every task's output under the work directory")
+    cpu_groups.add_options(parser)
     options = parser.parse_args(argv)
+    cpu_groups.check_options(parser, options)
     if options.quick:
         options.steps, options.warmup = QUICK["steps"], QUICK["warmup"]
     options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
@@ -719,7 +760,11 @@ def run_model(options, model, mode, why, argv):
         "contenders": [],
         "not_run": [],
     }
+    machines = cpu_groups.describe(options, getattr(options, "cpu_groups", None))
+    run["machines"] = machines
     print(f"[{model}] network: {description}", file=sys.stderr, flush=True)
+    print(f"[{model}] CPU: {cpu_groups.summary(machines, run['machine']['nproc'])}",
+          file=sys.stderr, flush=True)
     print(f"[{model}] lower bound ...", file=sys.stderr, flush=True)
     run["lower_bound"] = compute_lower_bound(model, options.workers, options.global_batch,
                                              options.timeout)
@@ -746,8 +791,9 @@ def run_model(options, model, mode, why, argv):
     run["wall_seconds"] = round(time.monotonic() - run_started, 1)
     network = ("loopback" if mode != "netns" else
                f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
+    cores = cpu_groups.label(options.machine_cpus, options.colocate, options.quota_period_ms)
     path = options.json or os.path.join(
-        RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}"
+        RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}{cores}"
         f"{'-quick' if options.quick else ''}{'-profile' if options.profile else ''}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -811,7 +857,15 @@ def main(argv=None):
         removed = netem.cleanup()
         print(f"removed {len(removed)} namespace(s)" + (f": {' '.join(removed)}"
                                                         if removed else ""))
+        groups = cpu_groups.cleanup(options.cgroup_root)
+        print(f"removed {len(groups)} CPU group(s)" + (f": {' '.join(groups)}"
+                                                      if groups else ""))
         return 0
+    try:  # before any process starts
+        options.cpu_groups = cpu_groups.from_options(options)
+    except cpu_groups.CpuGroupError as e:
+        print(f"python -m benchmarks.run: error: {e}", file=sys.stderr, flush=True)
+        return 2
     options.global_batch_arg = options.global_batch
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -822,7 +876,8 @@ def main(argv=None):
                   file=sys.stderr, flush=True)
         runs = [run_model(options, model, mode, why, argv) for model in options.models]
     except Interrupted as e:
-        print(f"interrupted ({e}); processes and namespaces removed", file=sys.stderr)
+        print(f"interrupted ({e}); processes, namespaces and CPU groups removed",
+              file=sys.stderr)
         return 130
     finally:
         for s, handler in previous.items():

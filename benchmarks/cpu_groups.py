@@ -1,0 +1,401 @@
+"""Emulated machines: every machine of a benchmark cluster gets its own share of a core.
+
+With `--machine-cpus C` (benchmarks.run, time_to_accuracy, scaling), every emulated
+machine is a CPU cgroup `hsb-<run>-<machine>` whose CFS quota lets its processes run
+C cores' worth of time per `--quota-period-ms` period, however many threads they have:
+each task of a cluster (chief, every worker, every ps, for every contender alike; the
+`single` contender's one process too) runs on its own machine, or, with `--colocate`,
+worker i and ps i share one (Parallax's layout: a worker and a server per machine; the
+chief, and workers or servers without a partner, keep a machine of their own). This is
+on top of the network namespace and rate-limited link each task already has
+(benchmarks/netem.py): colocated tasks still have a link each.
+
+The quota caps time, not cores: a machine of 0.5 core may run on both of this machine's
+cores at once for a quarter period, then waits for the rest of it. There is no NUMA, no
+cache or memory bandwidth of its own, and no real NIC; see benchmarks/results/README.md.
+
+Each task's TensorFlow thread pools are sized for its share: TF_NUM_INTEROP_THREADS and
+TF_NUM_INTRAOP_THREADS are set to ceil(C) (at least 1) in every task's environment, which
+TensorFlow reads wherever no explicit thread count was configured (the trainers, and the
+servers of `python -m hybrid_strategy.server`, whose session config leaves both at 0).
+
+cgroup v1 (a `cpu` hierarchy, /sys/fs/cgroup/cpu: cpu.cfs_period_us, cpu.cfs_quota_us) and
+v2 (/sys/fs/cgroup with the cpu controller enabled: cpu.max) are supported; another root
+can be given with `--cgroup-root` or HSB_CGROUP_ROOT. A process joins its group before it
+execs (its pid is written to cgroup.procs in the forked child), so every thread it ever
+starts is in it. Groups are removed when the contender's run ends, whatever the outcome;
+`python -m benchmarks.cpu_groups --cleanup` removes leftovers of a run killed by SIGKILL.
+
+    groups = CpuGroups(cpus=0.5, period_ms=10).check()  # raises CpuGroupError, says why
+    groups.add("worker0")
+    subprocess.Popen(argv, preexec_fn=groups.joiner("worker0"))
+    groups.close()
+"""
+
+import argparse
+import atexit
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+
+PREFIX = "hsb-"
+ROOT_ENV = "HSB_CGROUP_ROOT"
+V1_ROOT = "/sys/fs/cgroup/cpu"
+V2_ROOT = "/sys/fs/cgroup"
+DEFAULT_PERIOD_MS = 10.0
+MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota and period
+MAX_PERIOD_US = 1_000_000
+THREAD_ENV = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
+
+
+class CpuGroupError(RuntimeError):
+    """CPU groups cannot be made or written here; the message names the path and the fix."""
+
+
+# Options shared by benchmarks.run, time_to_accuracy and scaling --------------------------
+
+
+def add_options(parser):
+    group = parser.add_argument_group(
+        "emulated machines (CPU cgroups; benchmarks/cpu_groups.py)")
+    group.add_argument("--machine-cpus", type=float, default=None, metavar="C",
+                       help="give every emulated machine its own CPU share: C cores' worth "
+                       "of time (a CFS quota), e.g. 0.33; default: every task shares this "
+                       "machine's cores")
+    group.add_argument("--quota-period-ms", type=float, default=DEFAULT_PERIOD_MS, metavar="MS",
+                       help="CFS period of the machines' quotas (default 10)")
+    group.add_argument("--colocate", action="store_true",
+                       help="worker i and ps i share one machine (Parallax's layout); "
+                       "default: one machine per task")
+    group.add_argument("--cgroup-root", default=None, metavar="DIR",
+                       help=f"cgroup directory to make the groups in (default: ${ROOT_ENV}, "
+                       f"else {V2_ROOT} if it is cgroup v2, else {V1_ROOT})")
+
+
+def check_options(parser, options):
+    """parser.error for option values no quota can have."""
+    if options.machine_cpus is None:
+        if options.colocate:
+            parser.error("--colocate needs --machine-cpus (machines of their own)")
+        return
+    period_us = round(options.quota_period_ms * 1000)
+    if not MIN_QUOTA_US <= period_us <= MAX_PERIOD_US:
+        parser.error("--quota-period-ms must be between 1 and 1000")
+    if options.machine_cpus <= 0:
+        parser.error("--machine-cpus must be positive")
+    if round(options.machine_cpus * period_us) < MIN_QUOTA_US:
+        parser.error(f"--machine-cpus {options.machine_cpus:g} of a "
+                     f"{options.quota_period_ms:g} ms period is a quota under the kernel's "
+                     f"minimum of {MIN_QUOTA_US / 1000:g} ms; give a longer period")
+
+
+def from_options(options):
+    """CpuGroups for the options (checked: raises CpuGroupError), or None without
+    --machine-cpus."""
+    if getattr(options, "machine_cpus", None) is None:
+        return None
+    return CpuGroups(options.machine_cpus, options.quota_period_ms,
+                     root=options.cgroup_root).check()
+
+
+def forward(options):
+    """The options again, as arguments of another benchmarks.run."""
+    if getattr(options, "machine_cpus", None) is None:
+        return []
+    argv = ["--machine-cpus", f"{options.machine_cpus:g}",
+            "--quota-period-ms", f"{options.quota_period_ms:g}"]
+    if options.colocate:
+        argv.append("--colocate")
+    if options.cgroup_root:
+        argv += ["--cgroup-root", options.cgroup_root]
+    return argv
+
+
+# Layout -------------------------------------------------------------------------------
+
+
+def threads(cpus):
+    """TensorFlow threads per pool for a machine of `cpus` cores: ceil, at least 1."""
+    return max(1, math.ceil(cpus - 1e-9))
+
+
+def thread_environment(cpus):
+    return {name: str(threads(cpus)) for name in THREAD_ENV}
+
+
+def layout(tasks, colocate):
+    """{task: machine} for task names ("chief", "worker0", "ps0", ...): a machine per task,
+    or with `colocate` worker i and ps i on machine "worker<i>+ps<i>"."""
+    jobs = {}
+    for task in tasks:
+        job = task.rstrip("0123456789")
+        jobs.setdefault(job, set()).add(task[len(job):])
+    machines = {}
+    for task in tasks:
+        job = task.rstrip("0123456789")
+        index = task[len(job):]
+        partner = {"worker": "ps", "ps": "worker"}.get(job)
+        if colocate and partner and index in jobs.get(partner, ()):
+            machines[task] = f"worker{index}+ps{index}"
+        else:
+            machines[task] = task
+    return machines
+
+
+def label(cpus, colocate, period_ms=DEFAULT_PERIOD_MS):
+    """File-name part of a run with machines: "-cpu0.33", "-cpu0.33-colocated",
+    "-cpu0.33-period5ms" (a period other than the default)."""
+    if cpus is None:
+        return ""
+    return (f"-cpu{cpus:g}" + (f"-period{period_ms:g}ms" if period_ms != DEFAULT_PERIOD_MS
+                               else "") + ("-colocated" if colocate else ""))
+
+
+def describe(options, groups):
+    """What a results file records about the machines (None: all tasks share the cores)."""
+    if groups is None:
+        return None
+    return {"cpus": options.machine_cpus, "quota_period_ms": options.quota_period_ms,
+            "quota_us": groups.quota_us, "period_us": groups.period_us,
+            "colocate": bool(options.colocate),
+            "layout": ("worker i and ps i on one machine (Parallax's layout), the chief "
+                       "on its own" if options.colocate else "one machine per task"),
+            "threads_per_task": threads(options.machine_cpus),
+            "cgroup": f"v{groups.version} {groups.root}"}
+
+
+def summary(machines, nproc=None):
+    """One phrase for a report's title."""
+    if not machines:
+        return ("all tasks share this machine's "
+                + (f"{nproc} cores" if nproc else "cores"))
+    return (f"machines of {machines['cpus']:g} core each (CFS quota "
+            f"{machines['quota_us'] / 1000:g} ms per {machines['quota_period_ms']:g} ms "
+            f"period; {machines['layout']}; {machines['threads_per_task']} TF thread(s) "
+            "per pool)")
+
+
+# Groups -------------------------------------------------------------------------------
+
+
+def default_root():
+    root = os.environ.get(ROOT_ENV)
+    if root:
+        return root
+    if os.path.exists(os.path.join(V2_ROOT, "cgroup.controllers")):
+        return V2_ROOT
+    return V1_ROOT
+
+
+_WHAT_TO_DO = (f"Run as root on a machine whose cgroup cpu controller is mounted writable "
+               f"(cgroup v1: `mount -t cgroup -o cpu cgroup {V1_ROOT}`; cgroup v2: `echo "
+               f"+cpu > {V2_ROOT}/cgroup.subtree_control`; in a container: --privileged "
+               f"or a writable cgroup mount), point --cgroup-root (or ${ROOT_ENV}) at such "
+               "a directory, or leave out --machine-cpus to let all tasks share the cores.")
+
+
+class CpuGroups:
+    """The CPU groups of one contender's run under `root`, each of `cpus` cores' worth."""
+
+    def __init__(self, cpus, period_ms=DEFAULT_PERIOD_MS, root=None, run_id=None):
+        self.cpus = cpus
+        self.period_us = round(period_ms * 1000)
+        self.quota_us = round(cpus * self.period_us)
+        self.root = os.path.abspath(root or default_root())
+        self.run_id = run_id or secrets.token_hex(2)
+        self.version = None
+        self._created = []
+        self._closed = False
+
+    def _fail(self, problem):
+        raise CpuGroupError(f"cannot give the emulated machines their CPU share: {problem}. "
+                            + _WHAT_TO_DO)
+
+    def check(self):
+        """Finds the cgroup version of `root` and proves a group can be made and limited
+        there (a probe group, removed at once); raises CpuGroupError saying why not."""
+        root = self.root
+        if not os.path.isdir(root):
+            self._fail(f"{root} does not exist or is not a directory")
+        if os.path.exists(os.path.join(root, "cpu.cfs_quota_us")):
+            self.version = 1
+        elif os.path.exists(os.path.join(root, "cgroup.controllers")):
+            self.version = 2
+            with open(os.path.join(root, "cgroup.controllers")) as f:
+                if "cpu" not in f.read().split():
+                    self._fail(f"the cpu controller is not available in {root} "
+                               "(cgroup.controllers; it may be bound to a v1 hierarchy)")
+            with open(os.path.join(root, "cgroup.subtree_control")) as f:
+                if "cpu" not in f.read().split():
+                    self._fail(f"the cpu controller is not enabled for the groups under "
+                               f"{root} ({os.path.join(root, 'cgroup.subtree_control')})")
+        else:
+            self._fail(f"{root} is not a cgroup directory with the cpu controller (it has "
+                       "neither cpu.cfs_quota_us, cgroup v1, nor cgroup.controllers, v2)")
+        if os.geteuid() != 0 and not os.access(root, os.W_OK):
+            self._fail(f"{root} is not writable by uid {os.geteuid()} (not root)")
+        probe = os.path.join(root, f"{PREFIX}probe-{secrets.token_hex(2)}")
+        try:
+            os.mkdir(probe)
+        except OSError as e:
+            self._fail(f"cannot create a group in {root}: {e.strerror}")
+        try:
+            control = "cpu.cfs_quota_us" if self.version == 1 else "cpu.max"
+            if not os.path.exists(os.path.join(probe, control)):
+                self._fail(f"{root} is not a cgroup file system: a group made there has "
+                           f"no {control}")
+            self._limit(probe)
+        except OSError as e:
+            self._fail(f"cannot set a CPU quota in {probe}: {e}")
+        finally:
+            _remove_group(probe)
+        return self
+
+    def path(self, machine):
+        return os.path.join(self.root, f"{PREFIX}{self.run_id}-{machine}")
+
+    def _limit(self, path):
+        if self.version == 1:
+            _write(os.path.join(path, "cpu.cfs_period_us"), self.period_us)
+            _write(os.path.join(path, "cpu.cfs_quota_us"), self.quota_us)
+        else:
+            _write(os.path.join(path, "cpu.max"), f"{self.quota_us} {self.period_us}")
+
+    def add(self, machine):
+        """Creates the group of `machine` with its quota (once); returns its path."""
+        path = self.path(machine)
+        if path in self._created:
+            return path
+        if not self._created:
+            atexit.register(self.close)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            raise CpuGroupError(f"{path} exists already; remove leftovers with "
+                                "`python -m benchmarks.cpu_groups --cleanup`") from None
+        self._created.append(path)
+        self._limit(path)
+        return path
+
+    def limits(self, machine):
+        """(quota_us, period_us) as the group's files say."""
+        return read_limits(self.path(machine))
+
+    def pids(self, machine):
+        return group_pids(self.path(machine))
+
+    def joiner(self, machine):
+        """A preexec_fn putting the forked child (and so all it runs) into the group."""
+        procs = os.path.join(self.path(machine), "cgroup.procs")
+
+        def join():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        return join
+
+    def close(self):
+        """Removes every group made (stopping what still runs in them). Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for path in reversed(self._created):
+            _remove_group(path)
+
+
+def read_limits(path):
+    """(quota_us, period_us) of the group at `path`; quota None if unlimited."""
+    if os.path.exists(os.path.join(path, "cpu.max")):
+        with open(os.path.join(path, "cpu.max")) as f:
+            quota, period = f.read().split()
+        return (None if quota == "max" else int(quota)), int(period)
+    with open(os.path.join(path, "cpu.cfs_quota_us")) as f:
+        quota = int(f.read())
+    with open(os.path.join(path, "cpu.cfs_period_us")) as f:
+        period = int(f.read())
+    return (None if quota < 0 else quota), period
+
+
+def group_pids(path):
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _write(path, value):
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
+def _remove_group(path, grace=5.0):
+    """Stops what runs in the group (SIGTERM, SIGKILL after `grace` s), then removes it."""
+    pids = group_pids(path)
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = group_pids(path)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    for _ in range(100):  # a group is busy until its last process is reaped
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def _signal(pid, signum):
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cleanup(root=None, prefix=PREFIX):
+    """Removes every group under `root` whose name starts with `prefix`; returns them."""
+    if not prefix.startswith(PREFIX):
+        raise ValueError(f"only names starting with {PREFIX!r} are this harness's")
+    root = root or default_root()
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith(prefix)
+                       and os.path.isdir(os.path.join(root, n)))
+    except OSError:
+        return []
+    for name in names:
+        _remove_group(os.path.join(root, name))
+    return names
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_groups",
+                                     description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--cleanup", action="store_true",
+                        help=f"remove every group named {PREFIX}* and stop what runs in it")
+    parser.add_argument("--cgroup-root", default=None)
+    options = parser.parse_args(argv)
+    if options.cleanup:
+        removed = cleanup(options.cgroup_root)
+        print(f"removed {len(removed)} group(s)" + (f": {' '.join(removed)}"
+                                                    if removed else ""))
+        return 0
+    try:
+        groups = CpuGroups(0.5, root=options.cgroup_root).check()
+    except CpuGroupError as e:
+        print(f"CPU groups: unavailable ({e})")
+        return 1
+    print(f"CPU groups: available (cgroup v{groups.version} at {groups.root})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
