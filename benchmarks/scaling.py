@@ -23,7 +23,9 @@ CPU time per step counts only the time a process itself ran, so it holds when ot
 programs share the machine; examples/s (wall clock) does not: on a shared machine,
 compare throughput only between runs made back to back. Keep runs short (the
 defaults: 5 warm-up and 40 measured steps; with N steps per call both must be
-multiples of N, so they are rounded up).
+multiples of N, so they are rounded up). `--machine-cpus C` (`--quota-period-ms`,
+`--colocate`) gives every emulated machine its own CPU share (benchmarks/cpu_groups.py);
+such runs are kept and shown as a network of their own ("netns-1gbit-cpu0.5").
 """
 
 import argparse
@@ -34,6 +36,7 @@ import os
 import shlex
 import sys
 
+from benchmarks import cpu_groups
 from benchmarks import report
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -70,6 +73,7 @@ def run_all(options):
                     argv.append("--loopback")
                 if options.link_gbit:
                     argv += ["--link-gbit", str(options.link_gbit)]
+                argv += cpu_groups.forward(options)
                 run_benchmark("scaling", argv)
                 written.append(path)
     return written
@@ -118,10 +122,12 @@ def rows_of(run, label=""):
 
 
 def _network(run):
-    net = run["network"]
+    net, m = run["network"], run.get("machines")
+    cores = cpu_groups.label(m["cpus"], m["colocate"], m["quota_period_ms"]) if m else ""
     if net["mode"] != "netns":
-        return "loopback"
-    return f"netns-{net['link_gbit']:g}gbit" if net.get("link_gbit") else "netns-nolimit"
+        return "loopback" + cores
+    return (f"netns-{net['link_gbit']:g}gbit" if net.get("link_gbit")
+            else "netns-nolimit") + cores
 
 
 def fit_line(points):
@@ -293,7 +299,9 @@ def parse(argv):
     parser.add_argument("--summary-only", action="store_true",
                         help="do not run; rebuild scaling.md and plots from the runs kept")
     parser.add_argument("--no-plots", action="store_true")
+    cpu_groups.add_options(parser)
     options = parser.parse_args(argv)
+    cpu_groups.check_options(parser, options)
     options.models = [m.strip() for m in options.model.split(",") if m.strip()]
     try:
         options.workers = _ints(options.workers)
@@ -307,13 +315,19 @@ def parse(argv):
     # A label for the run files; each run records the network it really had.
     options.network = ("loopback" if options.loopback else
                        f"netns-{options.link_gbit:g}gbit" if options.link_gbit
-                       else "netns-nolimit")
+                       else "netns-nolimit") + cpu_groups.label(
+                           options.machine_cpus, options.colocate, options.quota_period_ms)
     return options
 
 
 def main(argv=None):
     options = parse(sys.argv[1:] if argv is None else argv)
     if not options.summary_only:
+        try:  # before any run starts
+            cpu_groups.from_options(options)
+        except cpu_groups.CpuGroupError as e:
+            print(f"python -m benchmarks.scaling: error: {e}", file=sys.stderr)
+            return 2
         os.makedirs(RUNS_DIR, exist_ok=True)
         run_all(options)
     path = summarize(plots=not options.no_plots)

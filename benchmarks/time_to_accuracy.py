@@ -36,7 +36,9 @@ measurement kept there too) writes
 benchmarks/results/time_to_accuracy.md with a table per run and, with matplotlib, the
 validation metric and training loss against time and against steps, one curve per
 contender (PNG beside it). A contender is any of benchmarks/contenders.py's, including
-HybridStrategy ones with more options: `hybrid:sparse_update='exact'`.
+HybridStrategy ones with more options: `hybrid:sparse_update='exact'`. With
+`--machine-cpus C` (`--quota-period-ms`, `--colocate`) every emulated machine has its own
+CPU share, as in benchmarks/run.py (benchmarks/cpu_groups.py).
 """
 
 import argparse
@@ -53,6 +55,7 @@ import time
 import numpy as np
 
 from benchmarks import contenders as contenders_lib
+from benchmarks import cpu_groups
 from benchmarks import machine as machine_lib
 from benchmarks import run as run_lib
 
@@ -312,7 +315,9 @@ def parse(argv):
     parser.add_argument("--report", action="store_true",
                         help="only write benchmarks/results/time_to_accuracy.md from the "
                         "results there")
+    cpu_groups.add_options(parser)
     options = parser.parse_args(argv)
+    cpu_groups.check_options(parser, options)
     options.models = [m.strip() for m in options.model.split(",") if m.strip()]
     options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
     for model in options.models:
@@ -377,6 +382,7 @@ def run_model(options, model, mode, why, argv):
                    "eval_every": options.eval_every, "train_batches": options.train_batches,
                    "validation_examples": options.validation_examples,
                    "time_limit": options.time_limit},
+        "machines": cpu_groups.describe(options, getattr(options, "cpu_groups", None)),
         "contenders": [],
     }
     workdir = tempfile.mkdtemp(prefix=f"hsb-tta-{model}-")
@@ -392,7 +398,9 @@ def run_model(options, model, mode, why, argv):
     network = ("loopback" if mode != "netns" else
                f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
     path = options.json or os.path.join(
-        RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}.json")
+        RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}"
+        f"{cpu_groups.label(options.machine_cpus, options.colocate, options.quota_period_ms)}"
+        ".json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(run, f, indent=1)
@@ -436,7 +444,8 @@ def run_title(run):
                "network namespaces, links not limited" if net["mode"] == "netns" else
                "loopback")
     return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, global batch "
-            f"{cfg['global_batch']}, {network}")
+            f"{cfg['global_batch']}, {network}; "
+            + cpu_groups.summary(run.get("machines"), (run.get("machine") or {}).get("nproc")))
 
 
 def run_table(run):
@@ -564,6 +573,11 @@ def main(argv=None):
     options.train_batches_arg = options.train_batches
     options.validation_examples_arg = options.validation_examples
     options.time_limit_arg = options.time_limit
+    try:  # before any process starts
+        options.cpu_groups = cpu_groups.from_options(options)
+    except cpu_groups.CpuGroupError as e:
+        print(f"python -m benchmarks.time_to_accuracy: error: {e}", file=sys.stderr)
+        return 2
     mode, why = run_lib.network_mode(options)
     runs = [run_model(options, model, mode, why, argv) for model in options.models]
     if not options.json:  # results kept under benchmarks/results/
