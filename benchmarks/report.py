@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from benchmarks import cpu_groups
 from benchmarks import trace_summary
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -80,7 +81,23 @@ def title(run):
             + (f", median of {repeats} runs" if repeats > 1 else "")
             + f"{' (--quick)' if run.get('quick') else ''}"
             + f"{', traced by the profiler (--profile)' if run.get('profiled') else ''}, "
-            + run["network"]["description"])
+            + run["network"]["description"] + "; "
+            + cpu_groups.summary(run.get("machines"), (run.get("machine") or {}).get("nproc")))
+
+
+def _machines_key(run):
+    """(cores, period ms, colocated) of a run's machines; None where tasks share cores."""
+    m = run.get("machines")
+    return (m["cpus"], m["quota_period_ms"], m["colocate"]) if m else None
+
+
+def _machines_label(run):
+    """", machines of 0.5 core" (", colocated"): what a target or plot names."""
+    m = run.get("machines")
+    if not m:
+        return ""
+    return (f", machines of {m['cpus']:g} core ({m['quota_period_ms']:g} ms period"
+            + (", worker i + ps i colocated)" if m["colocate"] else ")"))
 
 
 def markdown(run):
@@ -200,8 +217,10 @@ def _ratio(run, a, b):
 
 def _is_target_cluster(run, ps):
     net = run["network"]
+    # The targets were set on clusters sharing this machine's cores.
     return (run["config"]["workers"] == 4 and run["config"]["ps"] == ps
-            and net["mode"] == "netns" and net.get("link_gbit") == 1)
+            and net["mode"] == "netns" and net.get("link_gbit") == 1
+            and not run.get("machines"))
 
 
 def _cpu_ratio(run, a, b):
@@ -263,11 +282,12 @@ def targets(runs):
         value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
         if value is not None and run["network"]["mode"] == "netns" and not run.get("profiled"):
             add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps"
-                f"{' (--quick)' if run.get('quick') else ''}: hybrid worker bytes/step "
+                f"{' (--quick)' if run.get('quick') else ''}{_machines_label(run)}: "
+                "hybrid worker bytes/step "
                 "<= 1.25x lower bound", value, 1.25, "{:.2f}x", lower_is_better=True)
     spike = [r for r in runs if r["model"] == "text" and r["network"]["mode"] == "loopback"
              and r["config"]["workers"] == 2 and not r.get("quick")
-             and not r.get("profiled")]
+             and not r.get("profiled") and not r.get("machines")]
     spike = max(spike, key=_measured_longest, default=None)
     spike_hybrid = _ok(spike, "hybrid") if spike else None
     add("Loopback, the design spike's model (text: 200k x 64 embedding, mean-pool, "
@@ -276,7 +296,8 @@ def targets(runs):
         if spike_hybrid else None, 12.5, "{:.1f} steps/s")
     add("Same run: hybrid >= 1x mwms steps/s (the spike ran 0.49x: 12.5 vs 25.3)",
         _ratio(spike, "hybrid", "mwms") if spike else None, 1.0)
-    quick = [r for r in runs if r.get("quick") and r.get("wall_seconds")]
+    quick = [r for r in runs if r.get("quick") and r.get("wall_seconds")
+             and not r.get("machines")]
     for run in quick:
         add(f"quick configuration ({run['model']}, {len(run['contenders'])} contenders) "
             "under 10 minutes", run["wall_seconds"] / 60, 10.0, "{:.1f} min",
@@ -308,10 +329,11 @@ DEFAULT_WINDOW = (5, 30)
 
 
 def _group_key(run):
-    """Runs drawn on one throughput-vs-workers plot: same model, network, batch and window."""
+    """Runs drawn on one throughput-vs-workers plot: same model, network, machines, batch
+    and window."""
     net, cfg = run["network"], run["config"]
     return (run["model"], net["mode"], net.get("link_gbit"), cfg["global_batch"],
-            cfg["warmup"], cfg["steps"])
+            cfg["warmup"], cfg["steps"], _machines_key(run))
 
 
 def _slug(text):
@@ -335,7 +357,7 @@ def plot(runs, results_dir):
         if not run.get("quick") and not run.get("profiled"):  # full, untraced runs only
             groups.setdefault(_group_key(run), []).append(run)
     for key, group in groups.items():
-        model, mode, link, batch, warmup, steps = key
+        model, mode, link, batch, warmup, steps, machines = key
         unit = group[0]["config"].get("unit", "examples")
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
         for contender in ORDER:
@@ -355,15 +377,17 @@ def plot(runs, results_dir):
         ax.set_ylabel(f"{unit}/s")
         network = (f"{link:g} Gbit/s links" if mode == "netns" and link else
                    "namespaces, no limit" if mode == "netns" else "loopback")
-        ax.set_title(f"{model}: throughput vs workers ({network}, batch {batch})",
-                     fontsize=10)
+        ax.set_title(f"{model}: throughput vs workers ({network}, batch {batch}"
+                     f"{_machines_label(group[0])})", fontsize=10)
         workers = sorted({r["config"]["workers"] for r in group})
         ax.set_xticks(workers)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
         window = "" if (warmup, steps) == DEFAULT_WINDOW else f"-{warmup}-{steps}-steps"
-        name = f"{_slug(model)}-throughput-{_slug(network)}{window}.png"
+        cores = (cpu_groups.label(machines[0], machines[2], machines[1])
+                 if machines else "")
+        name = f"{_slug(model)}-throughput-{_slug(network)}{cores}{window}.png"
         fig.tight_layout()
         fig.savefig(os.path.join(results_dir, name), dpi=110)
         plt.close(fig)
@@ -456,6 +480,16 @@ def readme(runs, images):
              "MultiWorkerMirroredStrategy 25.3, one process 193 on its machine and day).",
              "- All tasks share this machine's cores: the machine is named with each run "
              "(and the load average before it: other work on the machine skews figures).",
+             "- **Machines of their own** (runs whose file names `-cpu<C>`, made with "
+             "`--machine-cpus C`): every emulated machine is a CPU cgroup with a CFS quota "
+             "of C cores per period, one task per machine or, with `--colocate`, worker i "
+             "and ps i on one (Parallax's layout), and every task's TensorFlow thread "
+             "pools hold ceil(C) threads; each table names the share, period and layout. "
+             "It is an emulation: a quota of time on the same 2 cores, not cores of its "
+             "own (a machine of 0.5 core may run on both cores for a quarter period, then "
+             "wait); no NUMA, no cache or memory bandwidth of its own, no real NIC (the "
+             "links are the veth pairs above; colocated tasks keep one each). These runs "
+             "count in no target, which were set on clusters sharing the cores.",
              "- **Scaling with the number of workers** (the coordinator's CPU per step "
              "against W, examples/s per worker, several steps per call): "
              "[scaling.md](scaling.md), from `python -m benchmarks.scaling`, whose runs "
