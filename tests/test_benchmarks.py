@@ -384,6 +384,132 @@ def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
     assert "--steps-per-execution 4: must be at least 1 and divide --steps" in done.stdout
 
 
+# Machines of their own (CPU groups) ------------------------------------------------------
+
+
+def _cgroup_parent():
+    """A fresh CPU group of this test's own under the machine's cgroup root (the harness
+    makes its groups inside it), or None (skip) where none can be made."""
+    from benchmarks import cpu_groups
+    try:
+        groups = cpu_groups.CpuGroups(1.0).check()
+    except cpu_groups.CpuGroupError as e:
+        pytest.skip(f"no writable CPU cgroups here: {e}")
+    parent = os.path.join(groups.root, f"hsb-test-{os.urandom(2).hex()}")
+    os.mkdir(parent)
+    if groups.version == 2:  # children of a v2 group get the cpu controller from it
+        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+            f.write("+cpu")
+    return parent
+
+
+def _task_of(pid):
+    """("chief", "worker0", ... from the process's TF_CONFIG, "single" without one, and
+    its TF_NUM_INTEROP_THREADS), or None while it has not yet exec'd a task's program."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    if not any(p in cmdline for p in (b"hybrid_strategy.server", b"benchmarks.contenders")):
+        return None
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    config = env.get(b"TF_CONFIG")
+    task = "single"
+    if config:
+        task = json.loads(config)["task"]
+        task = f"{task['type']}{task['index'] if task['type'] != 'chief' else ''}"
+    return task, env.get(b"TF_NUM_INTEROP_THREADS", b"").decode()
+
+
+def test_every_task_runs_in_its_machines_cpu_group_and_colocated_tasks_share_one(tmp_path):
+    from benchmarks import cpu_groups
+    parent = _cgroup_parent()
+    out = tmp_path / "machines.json"
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.run", "--model", "recommender", "--contenders",
+         "single,hybrid", "--workers", "2", "--ps", "1", "--quick", "--loopback",
+         "--machine-cpus", "0.75", "--quota-period-ms", "20", "--colocate",
+         "--cgroup-root", parent, "--json", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = {}  # group name -> [{task: threads}, (quota, period)]
+    try:
+        deadline = time.monotonic() + 240
+        while harness.poll() is None and time.monotonic() < deadline:
+            for name in os.listdir(parent):
+                path = os.path.join(parent, name)
+                if not (name.startswith(cpu_groups.PREFIX) and os.path.isdir(path)):
+                    continue
+                try:
+                    limits = cpu_groups.read_limits(path)
+                    tasks = [_task_of(pid) for pid in cpu_groups.group_pids(path)]
+                except (OSError, ValueError):
+                    continue  # removed under our feet
+                entry = seen.setdefault(name, [{}, limits])
+                entry[0].update(t for t in tasks if t)
+            time.sleep(0.2)
+        output, _ = harness.communicate(timeout=30)
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+        leftovers = [n for n in os.listdir(parent) if os.path.isdir(os.path.join(parent, n))]
+        os.rmdir(parent)
+    assert harness.returncode == 0, output[-3000:]
+    assert leftovers == []  # every group removed when its contender's run ended
+    # The quota asked for, as the kernel holds it: 0.75 core of a 20 ms period.
+    assert {tuple(limits) for _, limits in seen.values()} == {(15000, 20000)}
+    groups = {("single" if "single" in tasks else "hybrid", name.split("-", 2)[2]): tasks
+              for name, (tasks, _) in seen.items()}
+    # One machine per task, worker 0 and ps 0 on one (colocated); one thread per pool.
+    assert groups == {("single", "chief"): {"single": "1"},
+                      ("hybrid", "chief"): {"chief": "1"},
+                      ("hybrid", "worker0+ps0"): {"worker0": "1", "ps0": "1"},
+                      ("hybrid", "worker1"): {"worker1": "1"}}
+    run = json.loads(out.read_text())
+    assert run["machines"]["cpus"] == 0.75 and run["machines"]["quota_period_ms"] == 20
+    assert run["machines"]["colocate"] is True
+    hybrid = run["contenders"][1]
+    assert hybrid["status"] == "ok" and hybrid["machines"]["ps0"] == "worker0+ps0"
+    assert "machines of 0.75 core each (CFS quota 15 ms per 20 ms period; worker i and " \
+        "ps i on one machine" in output
+
+
+@pytest.mark.parametrize("how", ["missing", "not a cgroup file system"])
+def test_without_writable_cgroups_the_run_stops_before_starting_anything(tmp_path, how):
+    root = tmp_path / "cgroup"
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+    if how == "missing":
+        argv = ["--cgroup-root", str(root)]
+    else:  # looks like a cgroup v1 cpu directory, but a group made there gets no files
+        root.mkdir()
+        (root / "cpu.cfs_quota_us").write_text("-1\n")
+        argv, env["HSB_CGROUP_ROOT"] = [], str(root)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--model", "recommender", "--contenders",
+         "single,hybrid", "--quick", "--machine-cpus", "0.5", *argv],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=60)
+    assert done.returncode == 2, done.stdout
+    assert f"cannot give the emulated machines their CPU share: {root}" in done.stdout
+    assert ("does not exist" if how == "missing" else "is not a cgroup file system") \
+        in done.stdout
+    assert "leave out --machine-cpus" in done.stdout  # what to do
+    assert "lower bound" not in done.stdout and "[recommender]" not in done.stdout
+    if how != "missing":
+        assert os.listdir(root) == ["cpu.cfs_quota_us"]  # the probe group is gone
+
+
+def test_machine_layout_and_thread_counts():
+    from benchmarks import cpu_groups
+    tasks = ["chief", "worker0", "worker1", "worker2", "ps0", "ps1"]
+    assert cpu_groups.layout(tasks, colocate=False) == {t: t for t in tasks}
+    assert cpu_groups.layout(tasks, colocate=True) == {
+        "chief": "chief", "worker0": "worker0+ps0", "ps0": "worker0+ps0",
+        "worker1": "worker1+ps1", "ps1": "worker1+ps1", "worker2": "worker2"}
+    assert [cpu_groups.threads(c) for c in (0.33, 1, 1.5, 2)] == [1, 1, 2, 2]
+    assert cpu_groups.label(0.33, True) == "-cpu0.33-colocated"
+    assert cpu_groups.label(0.5, False, 5) == "-cpu0.5-period5ms"
+
+
 def test_the_criteo_benchmark_model_has_criteo_examples_tables():
     from benchmarks import contenders
     from keras_examples import criteo
