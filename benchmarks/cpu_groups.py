@@ -14,10 +14,13 @@ The quota caps time, not cores: a machine of 0.5 core may run on both of this ma
 cores at once for a quarter period, then waits for the rest of it. There is no NUMA, no
 cache or memory bandwidth of its own, and no real NIC; see benchmarks/results/README.md.
 
-Each task's TensorFlow thread pools are sized for its share: TF_NUM_INTEROP_THREADS and
-TF_NUM_INTRAOP_THREADS are set to ceil(C) (at least 1) in every task's environment, which
-TensorFlow reads wherever no explicit thread count was configured (the trainers, and the
-servers of `python -m hybrid_strategy.server`, whose session config leaves both at 0).
+Each task's TensorFlow thread pools are sized for its share: TF_NUM_INTRAOP_THREADS (the
+threads an op's kernel splits its work over) is set to ceil(C), at least 1, in every
+task's environment, and TF_NUM_INTEROP_THREADS (threads running whole ops) to the same
+but at least 2: with one, ops that block waiting for others starve them, and
+ParameterServerStrategy's steps never finish. TensorFlow reads both wherever no explicit
+thread count was configured: the trainers, and the servers of `python -m
+hybrid_strategy.server`, whose session config leaves both at 0.
 
 cgroup v1 (a `cpu` hierarchy, /sys/fs/cgroup/cpu: cpu.cfs_period_us, cpu.cfs_quota_us) and
 v2 (/sys/fs/cgroup with the cpu controller enabled: cpu.max) are supported; another root
@@ -48,7 +51,9 @@ V2_ROOT = "/sys/fs/cgroup"
 DEFAULT_PERIOD_MS = 10.0
 MIN_QUOTA_US = 1000  # the kernel's smallest CFS quota and period
 MAX_PERIOD_US = 1_000_000
-THREAD_ENV = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
+# TensorFlow's inter-op pool runs whole ops, some of which block until others have run:
+# with one thread ParameterServerStrategy's steps never finish, so it keeps at least 2.
+MIN_INTER_OP_THREADS = 2
 
 
 class CpuGroupError(RuntimeError):
@@ -118,12 +123,16 @@ def forward(options):
 
 
 def threads(cpus):
-    """TensorFlow threads per pool for a machine of `cpus` cores: ceil, at least 1."""
+    """TensorFlow's intra-op threads (the pool an op's kernel splits its work over) for a
+    machine of `cpus` cores: ceil, at least 1."""
     return max(1, math.ceil(cpus - 1e-9))
 
 
 def thread_environment(cpus):
-    return {name: str(threads(cpus)) for name in THREAD_ENV}
+    """The environment sizing a task's TensorFlow thread pools for a machine of `cpus`
+    cores: intra-op ceil(cpus), inter-op that but at least MIN_INTER_OP_THREADS."""
+    return {"TF_NUM_INTRAOP_THREADS": str(threads(cpus)),
+            "TF_NUM_INTEROP_THREADS": str(max(MIN_INTER_OP_THREADS, threads(cpus)))}
 
 
 def layout(tasks, colocate):
@@ -163,7 +172,8 @@ def describe(options, groups):
             "colocate": bool(options.colocate),
             "layout": ("worker i and ps i on one machine (Parallax's layout), the chief "
                        "on its own" if options.colocate else "one machine per task"),
-            "threads_per_task": threads(options.machine_cpus),
+            "threads_per_task": threads(options.machine_cpus),  # intra-op
+            "thread_environment": thread_environment(options.machine_cpus),
             "cgroup": f"v{groups.version} {groups.root}"}
 
 
@@ -174,8 +184,16 @@ def summary(machines, nproc=None):
                 + (f"{nproc} cores" if nproc else "cores"))
     return (f"machines of {machines['cpus']:g} core each (CFS quota "
             f"{machines['quota_us'] / 1000:g} ms per {machines['quota_period_ms']:g} ms "
-            f"period; {machines['layout']}; {machines['threads_per_task']} TF thread(s) "
-            "per pool)")
+            f"period; {machines['layout']}; TF threads: "
+            + _threads_phrase(machines) + ")")
+
+
+def _threads_phrase(machines):
+    env = machines.get("thread_environment")
+    if not env:
+        return f"{machines['threads_per_task']} per pool"
+    return (f"{env['TF_NUM_INTRAOP_THREADS']} intra-op, "
+            f"{env['TF_NUM_INTEROP_THREADS']} inter-op")
 
 
 # Groups -------------------------------------------------------------------------------

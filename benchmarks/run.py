@@ -45,7 +45,7 @@ Machines of their own: with `--machine-cpus C` every emulated machine also gets 
 CPU share, a cgroup with a CFS quota of C cores per `--quota-period-ms` (every task of
 every contender on a machine of its own, the chief and `single` too; with `--colocate`
 worker i and ps i share one, Parallax's layout), and each task's TensorFlow thread pools
-are sized for it (ceil(C) threads). benchmarks/cpu_groups.py says how; where cgroups
+are sized for it (ceil(C) intra-op threads; inter-op the same but at least 2). benchmarks/cpu_groups.py says how; where cgroups
 cannot be written the run stops before any process starts, saying why. Without it, every
 task shares this machine's cores, as before; the report names which with every table.
 """
@@ -286,8 +286,9 @@ class ContenderRun:
         command = {"task": task.name, "argv": shlex.join(full),
                    "TF_CONFIG": env.get("TF_CONFIG")}
         if self.groups is not None:
-            # Thread pools sized for the machine's share; the child joins its machine's
-            # group before it execs, so every thread it starts runs under the quota.
+            # Thread pools sized for the machine's share (cpu_groups.thread_environment);
+            # the child joins its machine's group before it execs, so every thread it
+            # starts runs under the quota.
             threads = cpu_groups.thread_environment(self.options.machine_cpus)
             env = dict(env, **threads)
             machine = self.machine_of[task.name]

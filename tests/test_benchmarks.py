@@ -405,7 +405,8 @@ def _cgroup_parent():
 
 def _task_of(pid):
     """("chief", "worker0", ... from the process's TF_CONFIG, "single" without one, and
-    its TF_NUM_INTEROP_THREADS), or None while it has not yet exec'd a task's program."""
+    its "intra-op/inter-op" thread counts), or None while it has not yet exec'd a task's
+    program."""
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         cmdline = f.read()
     if not any(p in cmdline for p in (b"hybrid_strategy.server", b"benchmarks.contenders")):
@@ -417,7 +418,8 @@ def _task_of(pid):
     if config:
         task = json.loads(config)["task"]
         task = f"{task['type']}{task['index'] if task['type'] != 'chief' else ''}"
-    return task, env.get(b"TF_NUM_INTEROP_THREADS", b"").decode()
+    return task, b"/".join(env.get(f"TF_NUM_{pool}_THREADS".encode(), b"")
+                           for pool in ("INTRAOP", "INTEROP")).decode()
 
 
 def test_every_task_runs_in_its_machines_cpu_group_and_colocated_tasks_share_one(tmp_path):
@@ -459,11 +461,12 @@ def test_every_task_runs_in_its_machines_cpu_group_and_colocated_tasks_share_one
     assert {tuple(limits) for _, limits in seen.values()} == {(15000, 20000)}
     groups = {("single" if "single" in tasks else "hybrid", name.split("-", 2)[2]): tasks
               for name, (tasks, _) in seen.items()}
-    # One machine per task, worker 0 and ps 0 on one (colocated); one thread per pool.
-    assert groups == {("single", "chief"): {"single": "1"},
-                      ("hybrid", "chief"): {"chief": "1"},
-                      ("hybrid", "worker0+ps0"): {"worker0": "1", "ps0": "1"},
-                      ("hybrid", "worker1"): {"worker1": "1"}}
+    # One machine per task, worker 0 and ps 0 on one (colocated); for 0.75 core, one
+    # intra-op thread and the 2 inter-op threads TensorFlow needs at least.
+    assert groups == {("single", "chief"): {"single": "1/2"},
+                      ("hybrid", "chief"): {"chief": "1/2"},
+                      ("hybrid", "worker0+ps0"): {"worker0": "1/2", "ps0": "1/2"},
+                      ("hybrid", "worker1"): {"worker1": "1/2"}}
     run = json.loads(out.read_text())
     assert run["machines"]["cpus"] == 0.75 and run["machines"]["quota_period_ms"] == 20
     assert run["machines"]["colocate"] is True
@@ -506,6 +509,10 @@ def test_machine_layout_and_thread_counts():
         "chief": "chief", "worker0": "worker0+ps0", "ps0": "worker0+ps0",
         "worker1": "worker1+ps1", "ps1": "worker1+ps1", "worker2": "worker2"}
     assert [cpu_groups.threads(c) for c in (0.33, 1, 1.5, 2)] == [1, 1, 2, 2]
+    assert cpu_groups.thread_environment(0.33) == {"TF_NUM_INTRAOP_THREADS": "1",
+                                                   "TF_NUM_INTEROP_THREADS": "2"}
+    assert cpu_groups.thread_environment(3) == {"TF_NUM_INTRAOP_THREADS": "3",
+                                                "TF_NUM_INTEROP_THREADS": "3"}
     assert cpu_groups.label(0.33, True) == "-cpu0.33-colocated"
     assert cpu_groups.label(0.5, False, 5) == "-cpu0.5-period5ms"
 
