@@ -30,8 +30,10 @@ time, steps/s over the measured steps' wall time, and the peak RSS (VmHWM from
 ps 0, ps 1 and the chief.
 
 The check: per optimizer and policy, the largest median step time over the smallest
-must be <= 1.3 (step time does not grow with the table). `--code-dir` runs another
-checkout's package (the one before a change, say) with this file. It prints PASS or FAIL with the
+must be <= 1.3 (step time does not grow with the table). `--before COMMIT` runs that
+commit's `hybrid_strategy` package (the one before a change, say) with this file. `--local-replicas N`
+runs each case in one process instead, with no cluster: HybridStrategy replicates over
+N logical CPU devices of that process and keeps the table on its CPU. It prints PASS or FAIL with the
 figures, the machine (nproc, CPU model, load average before the runs) and the exact
 commands. On loopback every task shares this machine's cores, so the step times
 are the per-step cost of the strategy here, not the speed of a real network.
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import chief_runs
 from benchmarks import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,13 +118,18 @@ def run_chief(options):
 
     import hybrid_strategy  # pylint: disable=import-outside-toplevel
 
+    devices = None
+    if options.local_replicas:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * options.local_replicas)
+        devices = [f"/cpu:{i}" for i in range(options.local_replicas)]
     pids = [int(p) for p in os.environ.get(SERVER_PIDS_ENV, "").split(",") if p]
-    if len(pids) != options.workers + options.ps:
+    if devices is None and len(pids) != options.workers + options.ps:
         raise SystemExit(f"{SERVER_PIDS_ENV}={os.environ.get(SERVER_PIDS_ENV)!r} does not "
                          f"list {options.workers} workers + {options.ps} ps; run this "
                          "under python -m hybrid_strategy.launch.")
-    tasks = ([f"worker {i}" for i in range(options.workers)]
-             + [f"ps {i}" for i in range(options.ps)])
+    tasks = _tasks(options)[:-1]
 
     def memory():
         out = {task: proc_status(pid) for task, pid in zip(tasks, pids)}
@@ -130,7 +138,7 @@ def run_chief(options):
 
     keras.mixed_precision.set_global_policy(options.policy)
     # The strategy first: it connects this process to the cluster.
-    strategy = hybrid_strategy.HybridStrategy()
+    strategy = hybrid_strategy.HybridStrategy(devices=devices)
     memory_connected = memory()
 
     batch = options.batch_size
@@ -181,7 +189,7 @@ def run_chief(options):
         # What each ps must hold: its rows of the table, and as many of every slot.
         "table_and_slots_mib_per_ps": [
             nbytes * (1 + CHOICES[options.optimizer][1]) / 2 ** 20
-            for nbytes in strategy.placement.bytes_per_ps_task(options.ps)],
+            for nbytes in strategy.placement.bytes_per_ps_task(max(options.ps, 1))],
         "distinct_ids_per_step": statistics.mean(distinct),
         "median_step_ms": 1000 * statistics.median(measured),
         "p10_step_ms": 1000 * _quantile(measured, 0.1),
@@ -245,16 +253,19 @@ def chief_argv(options, rows, optimizer, policy, result_file):
             "--batch-size", str(options.batch_size),
             "--pool-batches", str(options.pool_batches),
             "--distribution", options.distribution,
+            "--local-replicas", str(options.local_replicas),
             "--result-file", result_file,
             "--hang-seconds", str(max(30, int(options.timeout) - 30))]
 
 
 def launcher_argv(options, chief):
+    if options.local_replicas:
+        return chief
     return ([sys.executable, "-m", "hybrid_strategy.launch",
              "--workers", str(options.workers), "--ps", str(options.ps), "--"] + chief)
 
 
-def measure(options, rows, optimizer, policy):
+def measure(options, code_dir, rows, optimizer, policy):
     label = f"{rows:,} rows, {optimizer}, {policy}"
     with tempfile.TemporaryDirectory(prefix="table_scaling_") as tmp:
         result_file = os.path.join(tmp, "result.json")
@@ -264,7 +275,8 @@ def measure(options, rows, optimizer, policy):
         print(f"[{label}] {shown}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            done = subprocess.run(argv, env=machine.environment(options.code_dir), cwd=REPO,
+            # `python -m` puts the working directory first on sys.path: the package run.
+            done = subprocess.run(argv, env=machine.environment(code_dir), cwd=code_dir,
                                   stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True,
                                   timeout=options.timeout)
@@ -296,6 +308,8 @@ def measure(options, rows, optimizer, policy):
 
 
 def _tasks(options):
+    if options.local_replicas:
+        return ["chief"]
     return ([f"worker {i}" for i in range(options.workers)]
             + [f"ps {i}" for i in range(options.ps)] + ["chief"])
 
@@ -349,9 +363,11 @@ def checks(results, optimizers, policies):
 
 
 def report(results, verdicts, host, options, invocation):
-    lines = [f"Embedding(rows, {DIM}) float32 on {options.ps} ps (split by rows into shards of "
-             f"at least 1 MiB, HybridStrategy's default), {options.workers} workers, on "
-             f"loopback; global batch "
+    where = (f"on the CPU of one process replicating over {options.local_replicas} "
+             "logical CPU devices" if options.local_replicas else
+             f"on {options.ps} ps (split by rows into shards of at least 1 MiB, "
+             f"HybridStrategy's default), {options.workers} workers, on loopback")
+    lines = [f"Embedding(rows, {DIM}) float32 {where}; global batch "
              f"{options.batch_size}, {SEQUENCE} ids per example drawn {options.distribution}"
              f"ly over the table; median of {options.steps} steps after {options.warmup} "
              "warm-up steps; peak RSS = VmHWM after the measured steps; table+slots per ps = "
@@ -362,9 +378,12 @@ def report(results, verdicts, host, options, invocation):
         ratio = f"{v['ratio']:.2f}" if v["ratio"] is not None else "n/a"
         lines.append(f"- {v['optimizer']}, {v['policy']}: largest/smallest median step time = {ratio} "
                      f"(target <= {v['target']}): **{v['verdict']}** ({v['why']})")
-    lines += ["", f"machine: {machine.summary(host)}",
+    package = (f"the package of commit {options.before}" if options.before
+               else f"this checkout's (commit {machine.code_version()['commit'][:12]})")
+    lines += ["", f"machine: {machine.summary(host)}", f"hybrid_strategy: {package}",
               f"command: `{invocation}`",
-              "per run (the launcher starts a fresh cluster; RESULT.json is a temporary file):"]
+              "per run (a fresh cluster, or process with --local-replicas; RESULT.json is a "
+              "temporary file):"]
     lines += [f"    {r['command']}" for r in results]
     return "\n".join(lines)
 
@@ -379,13 +398,15 @@ def parse(argv):
     parser.add_argument("--policies", default="float32",
                         help=f"comma-separated Keras mixed-precision policies, from "
                         f"{','.join(POLICIES)} (default %(default)s)")
-    parser.add_argument("--code-dir", default=machine.REPO,
-                        help="checkout whose hybrid_strategy package runs (default this one)")
+    parser.add_argument("--before", metavar="COMMIT",
+                        help="run this commit's hybrid_strategy package, not this checkout's")
     parser.add_argument("--steps", type=int, default=100, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=10,
                         help="steps before measuring; the first traces (default %(default)s)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--local-replicas", type=int, default=0, metavar="N",
+                        help="no cluster: one process replicating over N logical CPU devices")
     parser.add_argument("--batch-size", type=int, default=512, help="global batch")
     parser.add_argument("--pool-batches", type=int, default=64,
                         help="distinct batches of ids the dataset repeats (default %(default)s)")
@@ -433,16 +454,19 @@ def main(argv=None):
     invocation = shlex.join(["python", "-m", "benchmarks.table_scaling"] + argv)
     host = machine.describe()  # the load average before our own runs add to it
     started = time.perf_counter()
-    results = [measure(options, rows, optimizer, policy)
-               for optimizer in options.optimizer_list for policy in options.policy_list
-               for rows in options.rows_list]
+    with chief_runs.packages(["before"] if options.before else [], options.before) as code:
+        code_dir = code["before"] if options.before else REPO
+        results = [measure(options, code_dir, rows, optimizer, policy)
+                   for optimizer in options.optimizer_list for policy in options.policy_list
+                   for rows in options.rows_list]
     verdicts = checks(results, options.optimizer_list, options.policy_list)
     text = report(results, verdicts, host, options, invocation)
     total = time.perf_counter() - started
     print("\n" + text + f"\n\ntotal time: {total:.0f} s")
     if options.json:
         with open(options.json, "w") as f:
-            json.dump({"machine": host, "command": invocation, "total_s": total,
+            json.dump({"machine": host, "code": machine.code_version(),
+                       "command": invocation, "total_s": total,
                        "options": {k: v for k, v in vars(options).items()
                                    if k not in ("json", "chief", "result_file")},
                        "checks": verdicts, "results": results}, f, indent=2)
