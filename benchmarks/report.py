@@ -504,7 +504,9 @@ def readme(runs, images):
              "on the ps): [checkpoint_memory.md](checkpoint_memory.md), from `python -m "
              "benchmarks.checkpoint_memory`; **table sizes** (one step's time and memory "
              "against the table's size): [table_scaling.md](table_scaling.md), from "
-             "`python -m benchmarks.table_scaling`.",
+             "`python -m benchmarks.table_scaling`, and per mixed-precision policy, before "
+             "and after loss scaling checked table gradients by their rows: "
+             "[table_scaling_mixed_precision.md](table_scaling_mixed_precision.md).",
              "- **Input** (each worker's input CPU per step against W, reads per record, "
              "for the Criteo-like model fed from files and from memory): "
              "[input_scaling.md](input_scaling.md), from `python -m "
