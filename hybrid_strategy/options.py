@@ -8,6 +8,7 @@ print(options.sparse_update)        # "lazy"
 """
 
 import dataclasses
+import inspect
 import numbers
 
 from hybrid_strategy.communication import wire
@@ -70,6 +71,17 @@ class StrategyOptions:
             self.architecture, num_ps=num_ps, overrides=self.placement_overrides,
             min_shard_bytes=self.min_shard_bytes, table_shards=self.table_shards,
             max_mirrored_bytes=self.max_mirrored_bytes, asynchronous=self.asynchronous)
+
+
+def signature():
+    """`HybridStrategy.__init__`'s signature, with every option named, for help() and IDEs."""
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                  inspect.Parameter("cluster_resolver", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=None)]
+    parameters += [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
+                                     default=field.default)
+                   for field in dataclasses.fields(StrategyOptions)]
+    return inspect.Signature(parameters)
 
 
 def _positive(value):

@@ -35,6 +35,7 @@ from tensorflow.python.distribute import values as values_lib
 # TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution).
 from tensorflow.python.ops import control_flow_util_v2
 
+from hybrid_strategy import options as options_lib
 from hybrid_strategy.asynchronous import training as asynchronous_lib
 from hybrid_strategy.cluster import config as cluster_lib
 from hybrid_strategy.cluster import connection
@@ -47,7 +48,6 @@ from hybrid_strategy.input import service_input
 from hybrid_strategy.input import worker_input
 from hybrid_strategy.keras_integration import batches
 from hybrid_strategy.keras_integration import install
-from hybrid_strategy.options import StrategyOptions
 from hybrid_strategy.placement import variables
 from hybrid_strategy.tables import mirrored_reads
 from hybrid_strategy.tables import table as table_lib
@@ -137,7 +137,7 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
     """
 
     def __init__(self, cluster_resolver=None, **options):
-        options = StrategyOptions.from_kwargs(options)
+        options = options_lib.StrategyOptions.from_kwargs(options)
         if cluster_resolver is not None:
             config = cluster_lib.from_cluster_resolver(cluster_resolver)
         else:
@@ -176,6 +176,10 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
     def ps_aggregated(self):
         """Paths of the PS tables whose gradients are summed per worker and on their PS."""
         return set(self.extended.ps_aggregated)
+
+
+# The options are declared once, in StrategyOptions; help() still shows each of them.
+HybridStrategy.__init__.__signature__ = options_lib.signature()
 
 
 class HybridExtended(mirrored_strategy.MirroredExtended):

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the problem, fast, never a hang."""
 
+import inspect
 import json
 import socket
 import time
@@ -95,14 +96,26 @@ def test_embedding_id_out_of_range_names_the_table(monkeypatch):
     ({"sparse_update": "eager"}, "sparse_update='eager'; use one of ('lazy', 'exact')"),
     ({"min_shard_bytes": -1}, "min_shard_bytes must be a positive int"),
     ({"placement_overrides": {"emb": "gpu"}}, "placement_overrides['emb'] is 'gpu'"),
+    ({"wire_dtype": "float16"}, "wire_dtype='float16'"),
+    ({"connect_timeout": 0}, "connect_timeout=0; give a number of seconds above 0"),
+    ({"task_timeout": -1}, "task_timeout=-1; give a number of seconds above 0, or None"),
+    ({"devices": "/cpu:0"}, "devices='/cpu:0'; give a list of device names"),
 ])
 def test_bad_arguments_fail_before_connecting(monkeypatch, kwargs, message):
     # The cluster does not exist: an argument error must come first, and fast.
     monkeypatch.setenv("TF_CONFIG", tf_config(
         {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}))
     with pytest.raises(ValueError) as error:
-        hybrid_strategy.HybridStrategy(connect_timeout=30, **kwargs)
+        hybrid_strategy.HybridStrategy(**{"connect_timeout": 30, **kwargs})
     assert message in str(error.value)
+
+
+def test_a_misspelled_argument_names_the_ones_it_takes():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['archtecture'\]; "
+                                        r"it takes cluster_resolver and \['architecture', "):
+        hybrid_strategy.HybridStrategy(archtecture="ps")
+    # Declared once (StrategyOptions), every option still shows in help() and IDEs.
+    assert "architecture='hybrid'" in str(inspect.signature(hybrid_strategy.HybridStrategy))
 
 
 def test_unsupported_optimizer_on_a_ps_table_is_named(monkeypatch):
