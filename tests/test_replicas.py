@@ -20,12 +20,12 @@ import tensorflow as tf
 
 import replicas_scenario
 from hybrid_strategy.cluster import config as cluster
+from hybrid_strategy.cluster import connection
 from hybrid_strategy.cluster import data_service
-from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.cluster import launch
 from hybrid_strategy.cluster import server
+from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.input import service_input
-from hybrid_strategy.cluster import connection
 from runs import ROOT, Runs, environ
 from test_launch import gone
 

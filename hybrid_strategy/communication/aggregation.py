@@ -13,8 +13,8 @@ exactly as a dense gradient would give it.
 ```python
 import tensorflow as tf
 
-from hybrid_strategy.tables import table as table_lib
 from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.tables import table as table_lib
 g = tf.IndexedSlices(tf.ones((3, 2)), tf.constant([4, 1, 4]), tf.constant([5, 2]))
 print(communication.merge_duplicates(g).indices)   # [4 1]; row 4 summed twice
 ```
@@ -24,8 +24,8 @@ import collections
 
 import tensorflow as tf
 
-from hybrid_strategy.tables import table as table_lib
 from hybrid_strategy.communication import wire
+from hybrid_strategy.tables import table as table_lib
 
 
 def merge_duplicates(slices):

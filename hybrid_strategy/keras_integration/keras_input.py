@@ -26,9 +26,9 @@ import tensorflow as tf
 
 from hybrid_strategy import versions
 from hybrid_strategy.input import array_input
+from hybrid_strategy.input import worker_input
 from hybrid_strategy.keras_integration import batches
 from hybrid_strategy.keras_integration import registry
-from hybrid_strategy.input import worker_input
 
 # The strategy a Keras 3 epoch iterator is being made for, while it makes its dataset.
 _iterator_strategy = contextvars.ContextVar("iterator_strategy", default=None)

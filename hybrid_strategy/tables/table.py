@@ -58,9 +58,9 @@ from tensorflow.python.util import dispatch
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
-from hybrid_strategy.tables import row_blocks
 from hybrid_strategy.communication import wire
 from hybrid_strategy.placement.plan import shard_rows
+from hybrid_strategy.tables import row_blocks
 
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
 _LOOKUPS = weakref.WeakKeyDictionary()
