@@ -313,6 +313,41 @@ def test_step_floor_measures_each_function_and_the_model_beside_it(tmp_path):
     assert "single: one process training recommender" in text and "x |" in text
 
 
+def test_dynamic_table_cost_times_every_operation_and_checks_its_values(tmp_path):
+    from benchmarks import dynamic_table_cost
+
+    out = tmp_path / "dynamic.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dynamic_table_cost", "--rows", "1000",
+         "--batches", "100", "--inner", "2", "--calls", "2", "--export-calls", "1",
+         "--rounds", "2", "--warmup", "1", "--json", str(out)],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["rows"] == 1000 and "error" not in run
+    (entry,) = run["batches"]
+    assert entry["batch"] == 100
+    timed = entry["operations"]
+    assert set(timed) == set(dynamic_table_cost.OPERATIONS)
+    for name, op in timed.items():
+        # warm-up + 2 rounds of 2 calls, every call's checksum checked
+        assert op["calls_checked"] == 1 + 2 * 2, name
+        assert len(op["wall_s_per_call"]) == 2 and min(op["wall_s_per_call"]) > 0, name
+    # Every operation that returns values had them compared with what was inserted.
+    assert set(entry["checks"]) == set(dynamic_table_cost.OPERATIONS) - {"call"}
+    exports = run["exports"]
+    assert set(exports["operations"]) == set(exports["checks"]) == set(
+        dynamic_table_cost.EXPORTS)
+    assert all(min(op["wall_s_per_call"]) > 0 for op in exports["operations"].values())
+    assert set(run["table_rss_mib"]) == set(dynamic_table_cost.TABLES)
+    assert all(run["rss_mib"][name]["after_mib"] > 0 for name in dynamic_table_cost.TABLES)
+    text = (tmp_path / "dynamic.md").read_text()
+    for name in [*dynamic_table_cost.OPERATIONS, *dynamic_table_cost.EXPORTS]:
+        if name != "call":
+            assert f"| {name} |" in text, name
+
+
 # Scaling ------------------------------------------------------------------------------
 
 
