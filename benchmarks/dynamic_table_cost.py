@@ -55,7 +55,7 @@ PS = "/job:ps/replica:0/task:0/device:CPU:0"
 DIM = 64
 EMPTY, DELETED = -1, -2  # DenseHashTable's reserved int64 keys (ids are >= 0)
 EMPTY_STR, DELETED_STR = "", "-"  # and string keys (decimal ids never equal these)
-CHUNK = 65536  # rows per insert while building a table
+CHUNK = 8192  # rows per insert while building a table (small: RSS deltas count freed chunks)
 _RESULT_PREFIX = "dynamic_table_cost result: "
 
 # name: (design, what one batch does). Per batch of B ids; exports are per table.
