@@ -45,6 +45,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 
 from benchmarks import chief_runs
 from benchmarks import machine
@@ -181,7 +182,6 @@ class Tables:
         self.capacity = rows + spare
         self.rss, self.build_s = {}, {}
         self.ps_pid = ps_pid
-        import time  # pylint: disable=import-outside-toplevel
 
         def built(name, make):
             before = _vm_rss(ps_pid)
@@ -482,7 +482,6 @@ def _time(ops, pids, options, calls):
 
 def run_chief(options):
     """Runs as the launcher's chief: one table size, every batch size; one result line."""
-    import time  # pylint: disable=import-outside-toplevel
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -555,11 +554,11 @@ def run_chief(options):
                          f"{expected}")
         export_checks[name] = "every key exported with its value"
     timed_exports = _time(exports, pids, options, options.export_calls)
-    tf_rss = _vm_rss(ps_pid)
+    ps_rss_end = _vm_rss(ps_pid)
     print(_RESULT_PREFIX + json.dumps({
         "rows": rows, "dim": DIM, "inner": inner, "spare_rows": largest,
         "build_s": tables.build_s, "tables_build_s": build_s,
-        "rss_mib": tables.rss, "ps_rss_end_mib": tf_rss,
+        "rss_mib": tables.rss, "ps_rss_end_mib": ps_rss_end,
         "dense_buckets": _buckets(rows + largest),
         "batches": per_batch,
         "exports": {"checks": export_checks, "operations": timed_exports}}), flush=True)
