@@ -521,6 +521,10 @@ def readme(runs, images):
              "tasks at W workers, sized after the recommender, against the hybrid and one "
              "process training it): [step_floor.md](step_floor.md), from `python -m "
              "benchmarks.step_floor`.",
+             "- **Dynamic vocabularies** (per-id cost on a ps of MutableHashTable, "
+             "DenseHashTable and an id-to-row remap against today's gather and scatter-add, "
+             "exports, memory per id): [dynamic_table_cost.md](dynamic_table_cost.md), from "
+             "`python -m benchmarks.dynamic_table_cost`.",
              ""]
     rows = targets(runs)
     if rows:
