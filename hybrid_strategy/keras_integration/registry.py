@@ -36,9 +36,7 @@ _installed = set()
 
 def applicable(patch):
     """Whether `patch`'s framework is in use in this process."""
-    if patch.framework == "tf_keras":
-        return versions.legacy_keras() is not None
-    return True
+    return patch.framework in versions.in_use()
 
 
 def _owner_and_original(patch):
