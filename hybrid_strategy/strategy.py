@@ -47,6 +47,7 @@ from hybrid_strategy.communication import routing
 from hybrid_strategy.input import service_input
 from hybrid_strategy.input import worker_input
 from hybrid_strategy.keras_integration import batches
+from hybrid_strategy.keras_integration import collective_hooks
 from hybrid_strategy.keras_integration import install
 from hybrid_strategy.placement import variables
 from hybrid_strategy.tables import mirrored_reads
@@ -223,7 +224,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         if chosen is not None:
             self._communication_options = self._communication_options.merge(chosen)
         # TF-private: the per-replica collective launchers of CollectiveAllReduce.
-        _assign_instance_keys_when_traced(getattr(self._collective_ops, "_launchers", ()))
+        collective_hooks.fix_instance_keys(getattr(self._collective_ops, "_launchers", ()))
         if options.communication_options is not None:
             self._communication_options = self._communication_options.merge(
                 options.communication_options)
@@ -232,7 +233,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 self._devices, self._communication_options.implementation.value):
             self._dense_all_reduce = hierarchical_allreduce.HierarchicalAllReduce(
                 self._devices, self._collective_keys, self._communication_options)
-            _assign_instance_keys_when_traced(self._dense_all_reduce.launchers)
+            collective_hooks.fix_instance_keys(self._dense_all_reduce.launchers)
         self._cross_device_ops = self._collective_ops
         self._inferred_cross_device_ops = self._collective_ops
         self.experimental_enable_get_next_as_optional = True
@@ -385,18 +386,6 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
         mirrored_reads.forget(var)
         return super()._update(var, fn, args, kwargs, group)
-
-
-def _assign_instance_keys_when_traced(launchers):
-    """Fixes the collective instance keys of `launchers` when the step is traced.
-
-    By default TensorFlow feeds every all-reduce a new instance key at every call: a
-    tensor made on this process and sent to every worker, each step, so that workers
-    tracing at different times agree. Here one process traces every replica, so keys
-    fixed at trace time agree as well, and none crosses the network.
-    """
-    for launcher in launchers:
-        launcher._use_unique_instance_key = lambda: False
 
 
 def _inside_while_loop():

@@ -366,6 +366,14 @@ PATCHES = (
           REGISTER, CLUSTER,
           "Makes a function's outputs wait for the stateful ops of the calling task only, "
           "not for a tensor from every task each step."),
+    Patch("collective_hooks.instance_keys_when_traced", "tensorflow",
+          "tensorflow.python.distribute.cross_device_utils:"
+          "CollectiveReplicaLauncher._use_unique_instance_key", REPLACE, STRATEGY,
+          "A HybridStrategy's own all-reduce launchers (not the class) fix their collective "
+          "instance keys when the step is traced: one process traces every replica, so no "
+          "key need cross the network each step.", params=("self",),
+          why_replaced="the original's answer is what changes: it has no argument or "
+          "setting for it."),
     Patch("exit_hooks.keep_functions_at_exit", "tensorflow",
           "tensorflow.python.eager.polymorphic_function.atomic_function:RUNTIME_FUNCTION_REFS",
           REPLACE, AT_EXIT, "Lets the interpreter exit without releasing traced functions "

@@ -93,10 +93,7 @@ def install(name, make):
     For ADD, `original` is None; for REGISTER, `make(target)` registers its handler
     and returns nothing. Returns whether it was installed now (False: already).
     """
-    if name not in _BY_NAME:
-        raise KeyError(f"Patch {name} is not declared in keras_integration/patches.py: "
-                       "every run-time patch must be.")
-    patch = _BY_NAME[name]
+    patch = _declared(name)
     if name in _installed:
         return False
     missing = [before for before in patch.after if before not in _installed]
@@ -117,6 +114,30 @@ def install(name, make):
         setattr(owner, patch.path[-1], value)
     _installed.add(name)
     return True
+
+
+def install_on(name, instance, make):
+    """Applies the patch `name` to one object the strategy made, not to its class:
+    `instance.attribute = make(its current bound attribute)`, checked like `install`.
+
+    For a TensorFlow behaviour with no switch, where only the strategy's own objects
+    may change.
+    """
+    patch = _declared(name)
+    verify([patch])
+    owner, _ = _owner_and_original(patch)
+    if not isinstance(instance, owner):
+        raise TypeError(f"Patch {name} applies to {owner.__name__} objects, "
+                        f"not {type(instance).__name__}.")
+    setattr(instance, patch.path[-1], make(getattr(instance, patch.path[-1])))
+    _installed.add(name)
+
+
+def _declared(name):
+    if name not in _BY_NAME:
+        raise KeyError(f"Patch {name} is not declared in keras_integration/patches.py: "
+                       "every run-time patch must be.")
+    return _BY_NAME[name]
 
 
 def _mark(value, name):
