@@ -52,16 +52,23 @@ def _install_keras3(asynchronous_scope):
              for _ in range(_num_workers(model))], scope, lambda: model.steps_per_execution,
             lambda: multi_step.keras3_function(model, model.train_step, trainer_lib))
 
-    registry.install("asynchronous_hooks.train_asynchronously",
+    _install_flavour("", asynchronous_scope, train_function, "_distributed_dataset")
+
+
+def _install_flavour(prefix, asynchronous_scope, train_function, dataset_attribute):
+    """One Keras flavour's patches (their names start with `prefix`): training made
+    asynchronous, evaluation and prediction waiting for it, and the join at the end of
+    every epoch, evaluation and prediction (the guard of the iterator whose dataset is
+    `dataset_attribute`)."""
+    registry.install(f"asynchronous_hooks.{prefix}train_asynchronously",
                      lambda make_train: _train_asynchronously(
                          make_train, asynchronous_scope, train_function))
-    registry.install("asynchronous_hooks.test_waits", lambda make: _wait_before(
+    registry.install(f"asynchronous_hooks.{prefix}test_waits", lambda make: _wait_before(
         make, "test_function", asynchronous_scope))
-    registry.install("asynchronous_hooks.predict_waits", lambda make: _wait_before(
+    registry.install(f"asynchronous_hooks.{prefix}predict_waits", lambda make: _wait_before(
         make, "predict_function", asynchronous_scope))
-    # Its guard ends every epoch, evaluation and prediction.
-    registry.install("asynchronous_hooks.join_at_epoch_end",
-                     lambda catch: _join_at_the_end(catch, "_distributed_dataset"))
+    registry.install(f"asynchronous_hooks.{prefix}join_at_epoch_end",
+                     lambda catch: _join_at_the_end(catch, dataset_attribute))
 
 
 def _train_asynchronously(make_train, asynchronous_scope, train_function):
@@ -170,12 +177,4 @@ def _install_tf_keras(asynchronous_scope):
                                          multi_step.on_this_process, model.run_eagerly)
              for _ in range(_num_workers(model))], scope, lambda: int(steps.numpy()))
 
-    registry.install("asynchronous_hooks.tf_keras_train_asynchronously",
-                     lambda make_train: _train_asynchronously(
-                         make_train, asynchronous_scope, train_function))
-    registry.install("asynchronous_hooks.tf_keras_test_waits", lambda make: _wait_before(
-        make, "test_function", asynchronous_scope))
-    registry.install("asynchronous_hooks.tf_keras_predict_waits", lambda make: _wait_before(
-        make, "predict_function", asynchronous_scope))
-    registry.install("asynchronous_hooks.tf_keras_join_at_epoch_end",
-                     lambda catch: _join_at_the_end(catch, "_dataset"))
+    _install_flavour("tf_keras_", asynchronous_scope, train_function, "_dataset")
