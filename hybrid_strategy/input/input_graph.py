@@ -46,7 +46,15 @@ def _data_inputs(node):
 def _const_value(node):
     if node.op != "Const":
         return None
-    return tf.make_ndarray(node.attr["value"].tensor)
+    return _ndarray(node.attr["value"].tensor)
+
+
+def _ndarray(proto):
+    """A TensorProto's value; strings too, which a dataset's graph encodes as raw bytes
+    (`tensor_content`) that `tf.make_ndarray` cannot read."""
+    if proto.dtype == tf.string.as_datatype_enum and proto.tensor_content:
+        return tf.io.parse_tensor(proto.SerializeToString(), tf.string).numpy()
+    return tf.make_ndarray(proto)
 
 
 def _function_names(node):
@@ -251,7 +259,7 @@ class DatasetGraph:
         split = self.nodes[self.chain[plan.split]]
         self._seed_shuffles_below(split, seed)
         if plan.slice_source:
-            self._sliced = [(node, tf.make_ndarray(node.attr["value"].tensor))
+            self._sliced = [(node, _ndarray(node.attr["value"].tensor))
                             for node in (self.nodes[n] for n in _data_inputs(split))]
         else:
             self._take_blocks_above(split, plan)
