@@ -255,6 +255,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._all_devices = tuple(devices)
 
     @property
+    def ps_devices(self):
+        """The PS tasks' devices (the local CPU when not on a cluster)."""
+        return tuple(self._ps_devices)
+
+    @property
     def replicas_per_worker(self):
         return max(len(replicas) for _, replicas in self._input_workers_devices)
 

@@ -21,6 +21,7 @@ from hybrid_strategy.keras_integration import batches
 from hybrid_strategy.keras_integration import checkpoint_hooks
 from hybrid_strategy.keras_integration import clipping_hooks
 from hybrid_strategy.keras_integration import data_service_hooks
+from hybrid_strategy.keras_integration import dynamic_hooks
 from hybrid_strategy.keras_integration import exit_hooks
 from hybrid_strategy.keras_integration import increments
 from hybrid_strategy.keras_integration import iterator_hooks
@@ -100,5 +101,6 @@ def install_all(strategy_class, connected):
     table_hooks.install_id_checks(gates.under_hybrid_strategy)
     # After the id checks: a table looked up at once returns its rows before them.
     batched_lookups.install(gates.in_replica_of_hybrid_strategy)
+    dynamic_hooks.install()
     if connected:
         exit_hooks.install()

@@ -25,7 +25,8 @@ SPANS = "under a HybridStrategy that spans several devices or tasks"
 ASYNCHRONOUS = "under a HybridStrategy(asynchronous=True)"
 CLUSTER = "in a chief connected to a cluster"
 AT_EXIT = "at the exit of a chief connected to a cluster"
-GATES = (STRATEGY, TABLES, SPANS, ASYNCHRONOUS, CLUSTER, AT_EXIT)
+DYNAMIC = "on the rows of a DynamicEmbedding, with or without a strategy"
+GATES = (STRATEGY, TABLES, SPANS, ASYNCHRONOUS, CLUSTER, AT_EXIT, DYNAMIC)
 
 
 @dataclasses.dataclass(frozen=True)

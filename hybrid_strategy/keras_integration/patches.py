@@ -12,8 +12,8 @@ print(len(PATCHES), "patches")
 """
 
 from hybrid_strategy.keras_integration.patch import (
-    ADD, ASYNCHRONOUS, AT_EXIT, CLUSTER, REGISTER, REPLACE, SPANS, STRATEGY, TABLES, WRAP,
-    Patch)
+    ADD, ASYNCHRONOUS, AT_EXIT, CLUSTER, DYNAMIC, REGISTER, REPLACE, SPANS, STRATEGY, TABLES,
+    WRAP, Patch)
 
 PATCHES = (
     # --- tables: row reads, ids, penalties, checkpoints, optimizers ---------------
@@ -387,4 +387,20 @@ PATCHES = (
           STRATEGY, "Checks a PS table's gradient for inf/NaN by its rows' values, where Keras "
           "fills a boolean tensor of the whole table each step (mixed_float16).",
           params=("self", "grads")),
+    # --- dynamic vocabularies ----------------------------------------------------
+    Patch("dynamic_hooks.slots_recorded", "keras",
+          "keras.src.optimizers.base_optimizer:BaseOptimizer.add_variable_from_reference",
+          WRAP, DYNAMIC, "Records each slot made from a DynamicEmbedding's rows and its initial "
+          "row, so that a newly admitted id's slots restart with its row.",
+          params=("self", "reference_variable", "name", "initializer")),
+    Patch("dynamic_hooks.slots_recorded_tf_keras", "tf_keras",
+          "tf_keras.src.optimizers.optimizer:_BaseOptimizer.add_variable_from_reference",
+          WRAP, DYNAMIC, "Records each slot made from a DynamicEmbedding's rows and its initial "
+          "row, so that a newly admitted id's slots restart with its row.",
+          params=("self", "model_variable", "variable_name", "shape", "initial_value")),
+    Patch("dynamic_hooks.slots_recorded_tf_keras_legacy", "tf_keras",
+          "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2.add_slot",
+          WRAP, DYNAMIC, "Records each slot made from a DynamicEmbedding's rows and its initial "
+          "row, so that a newly admitted id's slots restart with its row.",
+          params=("self", "var", "slot_name", "initializer", "shape")),
 )

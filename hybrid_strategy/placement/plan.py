@@ -32,7 +32,7 @@ DEFAULT_MIN_SHARD_BYTES = 1 << 20
 DEFAULT_MAX_MIRRORED_BYTES = 1 << 31
 
 # Layer classes whose weights are read by row (their gradients are IndexedSlices).
-SPARSE_LAYER_CLASSES = ("Embedding",)
+SPARSE_LAYER_CLASSES = ("Embedding", "DynamicEmbedding")
 
 
 class PlacementWarning(UserWarning):

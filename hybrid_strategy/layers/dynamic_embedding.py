@@ -1,0 +1,279 @@
+"""`DynamicEmbedding`: an embedding keyed by raw int64 or string ids, with no vocabulary given.
+
+```python
+import keras, numpy as np
+from hybrid_strategy.layers import DynamicEmbedding
+model = keras.Sequential([keras.Input((2,), dtype="int64"),
+                          DynamicEmbedding(8, capacity=1000, combiner="mean"),
+                          keras.layers.Dense(1)])
+model.compile(optimizer="adagrad", loss="mse")
+ids = np.array([[2**40 + 3, -7], [123456789012, -7]], np.int64)
+model.fit(ids, np.ones((2, 1)), epochs=2, verbose=0)
+```
+"""
+
+import numpy as np
+import tensorflow as tf
+
+# TF-private: regroups the rows computed once for the global batch into each
+# replica's part, as merge_call's results are handed back.
+from tensorflow.python.distribute import distribute_utils
+
+from hybrid_strategy.keras_integration import dynamic_hooks
+from hybrid_strategy.tables import dynamic
+
+COMBINERS = (None, "sum", "mean", "sqrtn")
+KEY_DTYPES = ("int64", "string")
+
+
+class DynamicEmbedding(tf.keras.layers.Layer):
+    """Turns raw ids (any int64 value, or strings) into vectors, admitting ids as they come.
+
+    The layer holds `capacity` rows. An id gets a row once it was seen `min_count`
+    times in training; until then, and after it is evicted, its vector is zeros and
+    its gradient is dropped. When rows run out, the rows of ids not seen in the step
+    are evicted by `eviction` ("lru": least recently seen first; "lfu": least often
+    seen first), and `max_age` evicts ids not seen for that many steps. An admitted
+    id's row starts from `embeddings_initializer`, drawn from a hash of the id, and
+    its optimizer slots from their initial values. Under a `HybridStrategy` the rows
+    are a table on the PS tasks, and the id -> row map is split over the PS tasks by
+    a hash of the id; elsewhere both are local, with the same results.
+
+    Decisions are taken once per training step for the global batch, before any
+    row is read, so training on N workers gives what one device gives on the same
+    global batch. Evaluation and prediction look ids up without counting them.
+
+    Args:
+        output_dim: Size of each vector.
+        capacity: Number of rows (ids held at once).
+        key_dtype: "int64" (integer ids; int64 min and min + 1 are reserved) or
+            "string".
+        min_count: Sightings in training before an id gets a row (1: at once).
+        eviction: "lru" or "lfu".
+        max_age: Training steps without a sighting after which an id is evicted;
+            None: only when rows run out.
+        combiner: None (a vector per id, shaped like the input plus `output_dim`), or
+            "sum", "mean", "sqrtn": one vector per row of a 2-D (padded or ragged)
+            input, combining its ids.
+        pad_id: An id that stands for no id (padding of multi-hot inputs): its vector
+            is zeros and it never gets a row.
+        embeddings_initializer: "uniform" (-0.05, 0.05), "normal" (0, 0.05), "zeros",
+            or a Keras `RandomUniform`, `RandomNormal`, `Zeros` or `Constant`.
+        seed: Seed of the initial rows.
+    """
+
+    def __init__(self, output_dim, capacity, key_dtype="int64", min_count=1, eviction="lru",
+                 max_age=None, combiner=None, pad_id=None, embeddings_initializer="uniform",
+                 seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self.output_dim = _positive_int(output_dim, "output_dim")
+        self.capacity = _positive_int(capacity, "capacity")
+        if key_dtype not in KEY_DTYPES:
+            raise ValueError(f"DynamicEmbedding: key_dtype={key_dtype!r}; use one of "
+                             f"{KEY_DTYPES}.")
+        self.key_dtype = key_dtype
+        self.min_count = _positive_int(min_count, "min_count")
+        if eviction not in dynamic.POLICIES:
+            raise ValueError(f"DynamicEmbedding: eviction={eviction!r}; use one of "
+                             f"{dynamic.POLICIES}.")
+        self.eviction = eviction
+        self.max_age = None if max_age is None else _positive_int(max_age, "max_age")
+        if combiner not in COMBINERS:
+            raise ValueError(f"DynamicEmbedding: combiner={combiner!r}; use one of "
+                             f"{COMBINERS}.")
+        self.combiner = combiner
+        self.pad_id = pad_id
+        self.embeddings_initializer = embeddings_initializer
+        self._initializer = _initializer_spec(embeddings_initializer)
+        self.seed = int(seed)
+        self.remap = None
+        dynamic_hooks.install()
+
+    def build(self, input_shape=None):
+        # Rows are reset when admitted; zeros until then.
+        self.embeddings = self.add_weight(name="embeddings",
+                                          shape=(self.capacity, self.output_dim),
+                                          initializer="zeros", trainable=True)
+        dynamic_hooks.track_slots(self.embeddings)
+        with tf.init_scope():  # Keras may build inside a traced function
+            self.remap = dynamic.Remap(self.capacity, _remap_devices(), self.min_count,
+                                       self.eviction, self.max_age, name=f"{self.name}_remap")
+        self.built = True
+
+    def call(self, inputs, training=None):
+        ids, layout = self._flat_ids(inputs)
+        keys = dynamic.keys_of(ids)
+        context = tf.distribute.get_replica_context()
+        if training and context is not None:
+            rows = context.merge_call(self._train_step, args=(keys,))
+        else:
+            rows = self.remap.lookup(keys)
+        found = tf.where(rows >= 0)
+        # Each row read once: its gradient then has each row once, its occurrences
+        # summed, as a dense gradient would (Keras' sparse optimizer steps would
+        # otherwise take repeated rows one by one).
+        distinct, position = tf.unique(tf.gather_nd(rows, found))
+        vectors = tf.gather(tf.nn.embedding_lookup(self.embeddings, distinct), position)
+        vectors = tf.scatter_nd(found, vectors, tf.stack(
+            [tf.size(rows, out_type=tf.int64), self.output_dim]))
+        return layout(tf.cast(vectors, self.compute_dtype))
+
+    def _train_step(self, strategy, keys):
+        """Admission and eviction for the global batch, once; each replica's rows."""
+        parts = strategy.experimental_local_results(keys)
+        rows = self.remap.train(tf.concat(parts, 0) if len(parts) > 1 else parts[0],
+                                self._reset)
+        if len(parts) == 1:
+            return rows
+        return distribute_utils.regroup(tuple(tf.split(rows, [tf.size(p) for p in parts])))
+
+    def _reset(self, rows, keys):
+        values = dynamic.initial_rows(keys, self.output_dim, self._initializer, self.seed,
+                                      self.embeddings.dtype)
+        return dynamic_hooks.reset_rows(self.embeddings, rows, values)
+
+    def _flat_ids(self, inputs):
+        """(the ids to look up, flat; a function from their vectors to the output)."""
+        ragged = isinstance(inputs, tf.RaggedTensor)
+        if ragged:
+            if self.combiner is None or inputs.ragged_rank != 1:
+                raise ValueError("DynamicEmbedding: a ragged input needs a combiner and "
+                                 "one ragged dimension ([batch, (ids)]).")
+            ids, splits = inputs.values, inputs.row_splits
+        else:
+            ids = tf.convert_to_tensor(inputs)
+        self._check_dtype(ids)
+        if not ragged and self.combiner is not None:
+            if ids.shape.rank != 2:
+                raise ValueError(f"DynamicEmbedding: combiner={self.combiner!r} combines "
+                                 f"the ids of each row of a 2-D input; got shape {ids.shape}.")
+            lengths = tf.fill(tf.shape(ids)[:1], tf.shape(ids)[1])
+            splits = tf.concat([[0], tf.cumsum(tf.cast(lengths, tf.int64))], 0)
+        shape = tf.shape(ids, out_type=tf.int64)
+        flat = tf.reshape(ids, [-1])
+        kept = tf.ones_like(flat, tf.bool) if self.pad_id is None else tf.not_equal(
+            flat, tf.constant(self.pad_id, flat.dtype))
+        where = tf.where(kept)
+        flat = tf.gather_nd(flat, where)
+        dim = self.output_dim
+
+        def layout(vectors):
+            every = tf.scatter_nd(where, vectors, tf.stack([tf.size(kept, tf.int64), dim]))
+            if self.combiner is None:
+                return tf.reshape(every, tf.concat([shape, [dim]], 0))
+            segments = tf.ragged.row_splits_to_segment_ids(splits)
+            num_rows = tf.size(splits, out_type=tf.int64) - 1
+            weights = tf.cast(kept, every.dtype)
+            total = tf.math.unsorted_segment_sum(every, segments, num_rows)
+            if self.combiner == "sum":
+                return total
+            counts = tf.math.unsorted_segment_sum(weights, segments, num_rows)[:, None]
+            if self.combiner == "sqrtn":
+                counts = tf.sqrt(counts)
+            return tf.math.divide_no_nan(total, counts)
+
+        return flat, layout
+
+    def _check_dtype(self, ids):
+        if self.key_dtype == "string" and ids.dtype != tf.string:
+            raise TypeError(f"DynamicEmbedding(key_dtype='string') got {ids.dtype.name} "
+                            "ids; give strings, or use key_dtype='int64'.")
+        if self.key_dtype == "int64" and not ids.dtype.is_integer:
+            raise TypeError(f"DynamicEmbedding(key_dtype='int64') got {ids.dtype.name} ids; "
+                            "give int32 or int64 ids (floats lose ids beyond 2**53): a model's "
+                            "keras.Input(..., dtype='int64'), or key_dtype='string'.")
+
+    def compute_output_shape(self, input_shape):
+        input_shape = tuple(input_shape)
+        if self.combiner is None:
+            return input_shape + (self.output_dim,)
+        return input_shape[:1] + (self.output_dim,)
+
+    # State --------------------------------------------------------------------------
+
+    def table_stats(self):
+        """{"capacity", "rows_in_use" (per map shard), "admissions", "evictions", "steps"}."""
+        remap = self.remap
+        return {"capacity": self.capacity,
+                "rows_in_use": [int(n) for n in remap.rows_in_use().numpy()],
+                "admissions": int(remap.admissions.numpy()),
+                "evictions": int(remap.evictions.numpy()),
+                "steps": int(remap.step.numpy())}
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for name, value in self.remap.snapshot().items():
+            store[f"remap_{name}"] = value
+
+    def load_own_variables(self, store):
+        names = [k for k in store.keys() if k.startswith("remap_")]
+        if not names:
+            raise ValueError(f"DynamicEmbedding {self.name!r}: the weights file holds no "
+                             "id -> row map: it was not saved from a DynamicEmbedding.")
+        super().load_own_variables(_Without(store, names))
+        self.remap.restore({k[len("remap_"):]: np.asarray(store[k]) for k in names})
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(output_dim=self.output_dim, capacity=self.capacity,
+                      key_dtype=self.key_dtype, min_count=self.min_count,
+                      eviction=self.eviction, max_age=self.max_age, combiner=self.combiner,
+                      pad_id=self.pad_id, seed=self.seed,
+                      embeddings_initializer=_serializable(self.embeddings_initializer))
+        return config
+
+
+class _Without:
+    """A weights store without some of its keys, for Keras' own loading."""
+
+    def __init__(self, store, hidden):
+        self._store, self._hidden = store, set(hidden)
+
+    def keys(self):
+        return [k for k in self._store.keys() if k not in self._hidden]
+
+    def __getitem__(self, key):
+        return self._store[key]
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"DynamicEmbedding: {name}={value!r}; give a whole number of at "
+                         "least 1.")
+    return int(value)
+
+
+def _initializer_spec(initializer):
+    """("uniform" | "normal" | "constant", a, b) of a supported initializer."""
+    named = {"uniform": ("uniform", -0.05, 0.05), "random_uniform": ("uniform", -0.05, 0.05),
+             "normal": ("normal", 0.0, 0.05), "random_normal": ("normal", 0.0, 0.05),
+             "zeros": ("constant", 0.0, None)}
+    if isinstance(initializer, str) and initializer in named:
+        return named[initializer]
+    config = getattr(initializer, "get_config", lambda: None)()
+    kind = type(initializer).__name__
+    if kind == "RandomUniform":
+        return ("uniform", float(config["minval"]), float(config["maxval"]))
+    if kind == "RandomNormal":
+        return ("normal", float(config["mean"]), float(config["stddev"]))
+    if kind == "Zeros":
+        return ("constant", 0.0, None)
+    if kind == "Constant" and np.ndim(config["value"]) == 0:
+        return ("constant", float(config["value"]), None)
+    raise ValueError(f"DynamicEmbedding: embeddings_initializer={initializer!r} is not "
+                     "supported; use 'uniform', 'normal', 'zeros', or a RandomUniform, "
+                     "RandomNormal, Zeros or scalar Constant initializer (rows are drawn "
+                     "per id, from a hash of the id).")
+
+
+def _serializable(initializer):
+    if isinstance(initializer, str):
+        return initializer
+    return {"class_name": type(initializer).__name__, "config": initializer.get_config()}
+
+
+def _remap_devices():
+    """The PS tasks of a HybridStrategy in scope, else the local CPU."""
+    strategy = tf.distribute.get_strategy()
+    ps_devices = getattr(strategy.extended, "ps_devices", None)
+    return tuple(ps_devices) if ps_devices else ("/device:CPU:0",)

@@ -1,0 +1,355 @@
+"""Dynamic vocabularies: raw int64 or string ids remapped to the rows of a fixed-capacity table.
+
+A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTable`
+on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
+`DenseHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
+one per PS task, on that task) from the id's key to `[row, count, last step]`, and,
+beside the first shard, a stack of free rows, the step counter and the totals of
+admissions and evictions.
+
+A training step (`Remap.train`) sees the global batch's ids once, in the
+cross-replica context, before any replica looks a row up:
+
+1. each distinct id's count grows by its occurrences and its last step becomes this
+   step;
+2. ids not yet admitted whose count reached `min_count` are admitted, in ascending
+   key order, as long as rows are free; when too few are, a pass over every shard
+   evicts rows of ids not seen this step (by `policy`: the oldest last step first
+   for "lru", the smallest count first for "lfu"), `headroom` more than needed, so
+   that the pass runs rarely; ids that still find no row wait for the next step;
+3. an admitted id's row, and its optimizer slots, are reset (`reset(rows, keys)`),
+   so an id evicted and admitted again starts from a fresh row;
+4. the same pass also evicts ids not seen for more than `max_age` steps (every
+   `max_age // 4 + 1` steps) and forgets the oldest ids waiting for admission when
+   they outnumber the capacity.
+
+Every decision depends only on the multiset of the step's ids, never on how they
+were split over replicas, so N workers decide exactly what one device decides on
+the same global batch. Ids not admitted look up no row (row -1).
+
+```python
+import tensorflow as tf
+from hybrid_strategy.tables import dynamic
+remap = dynamic.Remap(capacity=4, devices=["/cpu:0"], min_count=2)
+keys = dynamic.keys_of(tf.constant([7, 7, 9], tf.int64))
+print(remap.train(keys, reset=lambda rows, keys: []).numpy())  # [ 0  0 -1]: 7 seen twice
+```
+"""
+
+import numpy as np
+import tensorflow as tf
+
+# TF-private: a variable created directly as a ResourceVariable bypasses the
+# distribution strategy's variable creator; the remap's bookkeeping lives on one
+# device and is written once per step, not mirrored.
+from tensorflow.python.ops import resource_variable_ops
+
+POLICIES = ("lru", "lfu")
+# DenseHashTable reserves two keys; no id maps to them (`keys_of`).
+EMPTY_KEY = np.iinfo(np.int64).min
+DELETED_KEY = EMPTY_KEY + 1
+# [row, count, last step] of a key the remap has not seen.
+_UNSEEN = (-1, 0, -1)
+_ROW, _COUNT, _LAST = 0, 1, 2
+_STRING_BUCKETS = np.iinfo(np.int64).max
+
+
+def keys_of(ids):
+    """The remap's int64 keys of `ids`: int ids as they are, strings by a 63-bit hash.
+
+    Strings share a key only if their 64-bit fingerprints agree modulo 2**63 - 1
+    (odds about n**2 / 2**64 for n distinct strings).
+    """
+    if ids.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(ids, _STRING_BUCKETS)
+    ids = tf.cast(ids, tf.int64)
+    reserved = tf.reduce_any(ids <= DELETED_KEY)
+    check = tf.debugging.Assert(
+        tf.logical_not(reserved),
+        [f"DynamicEmbedding: ids {EMPTY_KEY} and {DELETED_KEY} are reserved (int64 min "
+         "and min + 1); map them to other ids."])
+    with tf.control_dependencies([check]):
+        return tf.identity(ids)
+
+
+def _mix(keys, salt=0):
+    """splitmix64's finaliser of `keys` ^ `salt`, as uint64: a hash whose every bit
+    depends on every bit of the key."""
+    shift, xor = tf.bitwise.right_shift, tf.bitwise.bitwise_xor
+    x = xor(tf.bitcast(keys, tf.uint64), tf.constant(salt, tf.uint64))
+    x = xor(x, shift(x, tf.constant(30, tf.uint64))) * tf.constant(0xBF58476D1CE4E5B9, tf.uint64)
+    x = xor(x, shift(x, tf.constant(27, tf.uint64))) * tf.constant(0x94D049BB133111EB, tf.uint64)
+    return xor(x, shift(x, tf.constant(31, tf.uint64)))
+
+
+def _top_bits(x, bits):
+    """The top `bits` bits of uint64 `x`, as int64."""
+    return tf.bitcast(tf.bitwise.right_shift(x, tf.constant(64 - bits, tf.uint64)), tf.int64)
+
+
+def shard_of(keys, num_shards):
+    """Which of `num_shards` shards holds each key (a hash, so that ids with a common
+    stride still spread)."""
+    return tf.cast(_top_bits(_mix(keys), 31) % num_shards, tf.int32)
+
+
+def initial_rows(keys, dim, initializer, seed, dtype):
+    """Each key's initial row: the same for a key whatever its row or worker.
+
+    `initializer`: ("uniform", low, high), ("normal", mean, stddev) or
+    ("constant", value), drawn from a hash of (seed, key, column).
+    """
+    kind, a, b = initializer
+    if kind == "constant":
+        return tf.fill(tf.stack([tf.size(keys), dim]), tf.cast(a, dtype))
+    columns = tf.range(1, dim + 1, dtype=tf.int64) * np.int64(0x9E3779B97F4A7C1)
+    salted = tf.bitwise.bitwise_xor(tf.bitcast(_mix(keys, seed), tf.int64)[:, None],
+                                    columns[None, :])
+    # 53 random bits per value, in (0, 1).
+    uniform = (tf.cast(_top_bits(_mix(salted), 53), tf.float64) + 0.5) * 2.0 ** -53
+    if kind == "uniform":
+        values = a + (b - a) * uniform
+    else:
+        other = (tf.cast(_top_bits(_mix(salted, 0x5851F42D4C957F2D), 53), tf.float64)
+                 + 0.5) * 2.0 ** -53
+        values = a + b * tf.sqrt(-2.0 * tf.math.log(uniform)) * tf.cos(2.0 * np.pi * other)
+    return tf.cast(values, dtype)
+
+
+def _exported(table):
+    """Every bucket's key and value (empty and deleted ones too), keys flat."""
+    keys, values = table.export()
+    return tf.reshape(keys, [-1]), tf.reshape(values, [-1, 3])
+
+
+def _variable(value, device, name):
+    with tf.device(device):
+        return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
+
+
+class Remap(tf.__internal__.tracking.AutoTrackable):
+    """The id -> row map of one dynamic table, and its admission and eviction state.
+
+    Trackable, so that TensorFlow checkpoints of the layer holding it save it; not a
+    `tf.Module`, whose variables tf_keras would count among the layer's weights.
+
+    Args:
+        capacity: Rows of the table (ids admitted at once), at least 1.
+        devices: One device per shard of the map (the PS tasks, or one local device).
+        min_count: Occurrences before an id is admitted (1: at first sight).
+        policy: "lru" or "lfu": which rows go when rows run out.
+        max_age: Steps without a sighting after which an id is evicted (None: never).
+        headroom: Rows evicted beyond the shortfall, when rows run out (None:
+            capacity // 64).
+        name: A name for the state's variables.
+    """
+
+    def __init__(self, capacity, devices, min_count=1, policy="lru", max_age=None,
+                 headroom=None, name="remap"):
+        self.capacity = int(capacity)
+        self.devices = tuple(devices)
+        self.min_count = int(min_count)
+        self.policy = policy
+        self.max_age = None if max_age is None else int(max_age)
+        self.headroom = max(0, self.capacity // 64 if headroom is None else int(headroom))
+        self.shards = []
+        for k, device in enumerate(self.devices):
+            with tf.device(device):
+                self.shards.append(tf.lookup.experimental.DenseHashTable(
+                    tf.int64, tf.int64, default_value=tf.constant(_UNSEEN, tf.int64),
+                    empty_key=EMPTY_KEY, deleted_key=DELETED_KEY,
+                    name=f"{name}_shard_{k}"))
+        home = self.devices[0]
+        # Rows are popped from the end: 0, 1, 2, ... first.
+        self.free = _variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
+                              f"{name}_free")
+        self.num_free = _variable(tf.constant(self.capacity, tf.int64), home,
+                                  f"{name}_num_free")
+        self.step = _variable(tf.constant(0, tf.int64), home, f"{name}_step")
+        self.admissions = _variable(tf.constant(0, tf.int64), home, f"{name}_admissions")
+        self.evictions = _variable(tf.constant(0, tf.int64), home, f"{name}_evictions")
+
+    # Reads -----------------------------------------------------------------------
+
+    def _find(self, keys):
+        """[row, count, last] of each key, looked up on its shard."""
+        if len(self.shards) == 1:
+            with tf.device(self.devices[0]):
+                return tf.ensure_shape(self.shards[0].lookup(keys), [None, 3])
+        shard = shard_of(keys, len(self.shards))
+        parts = tf.dynamic_partition(keys, shard, len(self.shards))
+        positions = tf.dynamic_partition(tf.range(tf.size(keys)), shard, len(self.shards))
+        found = []
+        for table, device, part in zip(self.shards, self.devices, parts):
+            with tf.device(device):
+                found.append(table.lookup(part))
+        return tf.ensure_shape(tf.dynamic_stitch(positions, found), [None, 3])
+
+    def _write(self, keys, values):
+        ops = []
+        if len(self.shards) == 1:
+            with tf.device(self.devices[0]):
+                return [self.shards[0].insert_or_assign(keys, values)]
+        shard = shard_of(keys, len(self.shards))
+        for table, device, part_keys, part_values in zip(
+                self.shards, self.devices,
+                tf.dynamic_partition(keys, shard, len(self.shards)),
+                tf.dynamic_partition(values, shard, len(self.shards))):
+            with tf.device(device):
+                ops.append(table.insert_or_assign(part_keys, part_values))
+        return ops
+
+    def _erase(self, keys):
+        ops = []
+        shard = shard_of(keys, len(self.shards))
+        for table, device, part in zip(self.shards, self.devices,
+                                       tf.dynamic_partition(keys, shard, len(self.shards))):
+            with tf.device(device):
+                ops.append(table.erase(part))
+        return ops
+
+    def lookup(self, keys):
+        """Each key's row, or -1 for keys not admitted; changes nothing."""
+        return self._find(keys)[:, _ROW]
+
+    def entries(self):
+        """(keys, [row, count, last] values) of every id the remap holds, all shards."""
+        keys, values = [], []
+        for table, device in zip(self.shards, self.devices):
+            with tf.device(device):
+                k, v = _exported(table)
+                held = k > DELETED_KEY
+                keys.append(tf.boolean_mask(k, held))
+                values.append(tf.boolean_mask(v, held))
+        return tf.concat(keys, 0), tf.concat(values, 0)
+
+    def rows_in_use(self):
+        """Rows held by admitted ids, per shard (ids are split over shards by hash)."""
+        counts = []
+        for table, device in zip(self.shards, self.devices):
+            with tf.device(device):
+                k, v = _exported(table)
+                counts.append(tf.reduce_sum(tf.cast((k > DELETED_KEY) & (v[:, _ROW] >= 0),
+                                                    tf.int64)))
+        return tf.stack(counts)
+
+    # The training step ---------------------------------------------------------------
+
+    def train(self, keys, reset):
+        """One training step's admission and eviction for the global batch's `keys`.
+
+        `reset(rows, keys)` returns the ops that reset those rows (and their slots)
+        to each key's initial values. Returns each key's row after the step's
+        decisions (-1: not admitted), computed once for all replicas.
+        """
+        with tf.device(self.devices[0]):
+            step = self.step.assign_add(1)
+        distinct, position, count = tf.unique_with_counts(keys, out_idx=tf.int64)
+        order = tf.argsort(distinct, stable=True)
+        distinct = tf.gather(distinct, order)
+        count = tf.gather(count, order)
+        position = tf.gather(tf.math.invert_permutation(order), position)
+
+        values = self._find(distinct)
+        row = values[:, _ROW]
+        count = values[:, _COUNT] + count
+        steps = tf.fill(tf.shape(row), step)
+        with tf.control_dependencies(self._write(distinct, tf.stack([row, count, steps], 1))):
+            wanting = (row < 0) & (count >= self.min_count)
+            shortfall = tf.reduce_sum(tf.cast(wanting, tf.int64)) - self.num_free.read_value()
+        with tf.control_dependencies([self._evict(step, shortfall)]):
+            num_free = self.num_free.read_value()
+        rank = tf.cumsum(tf.cast(wanting, tf.int64), exclusive=True)
+        admitted = wanting & (rank < num_free)
+        num_admitted = tf.reduce_sum(tf.cast(admitted, tf.int64))
+        with tf.device(self.devices[0]):
+            popped = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
+            take = [self.num_free.assign_sub(num_admitted, read_value=False),
+                    self.admissions.assign_add(num_admitted, read_value=False)]
+        new_keys = tf.boolean_mask(distinct, admitted)
+        new_rows = tf.gather(popped, tf.boolean_mask(rank, admitted))
+        row = tf.tensor_scatter_nd_update(row, tf.where(admitted), new_rows)
+        writes = self._write(new_keys, tf.stack(
+            [new_rows, tf.boolean_mask(count, admitted), tf.fill(tf.shape(new_rows), step)], 1))
+        with tf.control_dependencies(take + writes + list(reset(new_rows, new_keys))):
+            return tf.gather(row, position)
+
+    def _evict(self, step, shortfall):
+        """The pass over every shard, when rows run short, ids age or waiting ids
+        outnumber the capacity; returns its op."""
+        due = shortfall > 0
+        if self.max_age is not None:
+            due |= tf.equal(step % (self.max_age // 4 + 1), 0)
+        waiting = tf.reduce_sum([table.size() for table in self.shards]) - (
+            self.capacity - self.num_free.read_value())
+        due |= waiting > self.capacity
+        return tf.cond(due, lambda: self._evict_now(step, shortfall), tf.no_op)
+
+    def _evict_now(self, step, shortfall):
+        keys, values = self.entries()
+        row, count, last = values[:, _ROW], values[:, _COUNT], values[:, _LAST]
+        admitted = row >= 0
+        gone = tf.zeros_like(admitted)
+        if self.max_age is not None:
+            gone = last < step - self.max_age
+        # Rows of ids not seen this step, by policy, as many as the shortfall needs.
+        needed = tf.maximum(shortfall + self.headroom, 0) * tf.cast(shortfall > 0, tf.int64)
+        needed = tf.maximum(needed - tf.reduce_sum(tf.cast(gone & admitted, tf.int64)), 0)
+        first, second = (last, count) if self.policy == "lru" else (count, last)
+        gone |= self._lowest(keys, admitted & (last < step) & ~gone, first, second, needed)
+        # Ids waiting for admission: the oldest go when they outnumber the capacity.
+        waiting = ~admitted & ~gone
+        excess = tf.reduce_sum(tf.cast(waiting, tf.int64)) - self.capacity // 2
+        excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.capacity, tf.int64)
+        gone |= self._lowest(keys, waiting, last, count, excess)
+        freed = tf.boolean_mask(row, gone & admitted)
+        num_freed = tf.size(freed, out_type=tf.int64)
+        with tf.device(self.devices[0]):
+            num_free = self.num_free.read_value()
+            ops = [self.free.scatter_update(tf.IndexedSlices(
+                       freed, num_free + tf.range(num_freed))),
+                   self.num_free.assign_add(num_freed, read_value=False),
+                   self.evictions.assign_add(num_freed, read_value=False)]
+        return tf.group(ops + self._erase(tf.boolean_mask(keys, gone)))
+
+    @staticmethod
+    def _lowest(keys, eligible, first, second, n):
+        """A mask of the `n` eligible entries lowest by (first, second, key)."""
+        order = tf.argsort(keys, stable=True)
+        order = tf.gather(order, tf.argsort(tf.gather(second, order), stable=True))
+        order = tf.gather(order, tf.argsort(tf.gather(first, order), stable=True))
+        ranked = tf.boolean_mask(order, tf.gather(eligible, order))
+        chosen = ranked[:tf.minimum(n, tf.size(ranked, out_type=tf.int64))]
+        return tf.scatter_nd(chosen[:, None], tf.ones_like(chosen, tf.bool),
+                             tf.shape(keys, out_type=tf.int32))
+
+    # Snapshots -------------------------------------------------------------------
+
+    def snapshot(self):
+        """Every key and its [row, count, last], the free rows and counters, as numpy."""
+        keys, values = self.entries()
+        num_free = int(self.num_free.numpy())
+        return {"keys": keys.numpy(), "values": values.numpy(),
+                "free": self.free.numpy()[:num_free],
+                "counters": np.array([self.step.numpy(), self.admissions.numpy(),
+                                      self.evictions.numpy()], np.int64)}
+
+    def restore(self, snapshot):
+        """Replaces the remap's state with `snapshot`'s, over this remap's shards
+        (their number may differ from the saving remap's)."""
+        keys, values = self.entries()
+        tf.group(self._erase(keys))
+        free = np.asarray(snapshot["free"], np.int64)
+        if np.asarray(snapshot["values"])[:, _ROW].max(initial=-1) >= self.capacity:
+            raise ValueError(f"The snapshot holds rows beyond this table's capacity "
+                             f"{self.capacity}: restore it into a table of its capacity.")
+        self._write(tf.constant(snapshot["keys"], tf.int64),
+                    tf.constant(snapshot["values"], tf.int64))
+        stack = np.zeros(self.capacity, np.int64)
+        stack[:len(free)] = free
+        self.free.assign(stack)
+        self.num_free.assign(len(free))
+        step, admissions, evictions = (int(c) for c in snapshot["counters"])
+        self.step.assign(step)
+        self.admissions.assign(admissions)
+        self.evictions.assign(evictions)

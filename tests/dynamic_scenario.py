@@ -1,0 +1,157 @@
+"""DynamicEmbedding tables trained on a cluster, against the same model trained on one device.
+
+The model: a user table keyed by raw int64 ids (admitted at their second sighting,
+least recently seen evicted first, capacity below the ids in the stream), an item
+table keyed by strings, multi-hot with padding and a mean combiner (least often seen
+evicted first, and every id unseen for 4 steps), and a dense tower. The stream brings
+new ids every step. Each case trains it with `model.fit` under HybridStrategy (the
+rows on the PS tasks, the id -> row maps split over them) and the same model on one
+device from the same weights on the same global batches, and reports, per table,
+whether both hold the same ids with the same counts and last steps, the relative
+error of each id's row and optimizer slots, and of the dense weights, admissions,
+evictions, and where rows and maps live. Keras 3 and, under TF_USE_LEGACY_KERAS=1,
+tf_keras. Prints the report as JSON:
+
+    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dynamic_scenario.py
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import optimizer_references as references
+
+keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
+
+DIM, GLOBAL_BATCH, STEPS = 4, 24, 10
+USER_CAPACITY, ITEM_CAPACITY = 40, 60
+TABLES = ("user", "item")
+
+
+def cases():
+    """name -> (optimizer factory, sparse_update)."""
+    o = keras.optimizers
+    return {"sgd_momentum_exact": (lambda: o.SGD(0.3, momentum=0.5), "exact"),
+            "adagrad": (lambda: o.Adagrad(0.3), "lazy"),
+            "adam_exact": (lambda: o.Adam(0.05, epsilon=1e-4), "exact")}
+
+
+def build_model():
+    from hybrid_strategy.layers import DynamicEmbedding
+
+    user = keras.Input(shape=(1,), dtype="int64", name="user_id")
+    items = keras.Input(shape=(3,), dtype="string", name="item_ids")
+    u = keras.layers.Flatten()(DynamicEmbedding(
+        DIM, USER_CAPACITY, min_count=2, eviction="lru", name="user",
+        embeddings_initializer="normal", seed=5)(user))
+    i = DynamicEmbedding(DIM, ITEM_CAPACITY, key_dtype="string", eviction="lfu", max_age=4,
+                         combiner="mean", pad_id="", name="item", seed=6)(items)
+    x = keras.layers.Concatenate()([u, i, u * i])
+    x = keras.layers.Dense(8, activation="relu", name="tower")(x)
+    return keras.Model([user, items], keras.layers.Dense(1, name="logit")(x))
+
+
+def make_data():
+    rng = np.random.default_rng(7)
+    n = GLOBAL_BATCH * STEPS
+    # Raw 64-bit ids, popular ones coming back, the set growing with time.
+    universe = rng.integers(-2**62, 2**62, 400, dtype=np.int64)
+    step = np.arange(n) // GLOBAL_BATCH
+    user = universe[np.minimum(rng.zipf(1.4, n) - 1 + 6 * step, 399)][:, None]
+    item = np.array([f"item-{k}" for k in range(300)], dtype=object)
+    picks = np.minimum(rng.zipf(1.3, (n, 3)) - 1 + 4 * step[:, None], 299)
+    items = item[picks]
+    items[rng.random((n, 3)) < 0.3] = ""  # padding
+    clicks = (rng.random((n, 1)) < 0.4).astype("float32")
+    return (user, items.astype(bytes)), clicks
+
+
+def path(weight):
+    return getattr(weight, "path", None) or weight.name.split(":")[0]
+
+
+def raw(variable):
+    value = getattr(variable, "value", None)
+    return variable if value is None or callable(value) else value
+
+
+def devices(variable):
+    value = raw(variable)
+    parts = getattr(value, "shards", None) or getattr(value, "values", None)
+    return [p.device for p in parts] if parts else [value.device]
+
+
+def per_id(layer):
+    """{key: (count, last step, row vector, [slot rows])} of a DynamicEmbedding."""
+    snapshot = layer.remap.snapshot()
+    rows = references.values(layer.embeddings)
+    slots = [references.values(slot) for slot, _ in layer.embeddings._hybrid_dynamic_slots]
+    out = {}
+    for key, (row, count, last) in zip(snapshot["keys"], snapshot["values"]):
+        vectors = (rows[row], [s[row] for s in slots]) if row >= 0 else (None, [])
+        out[int(key)] = (int(count), int(last), *vectors)
+    return out
+
+
+def compare(layer, reference):
+    mine, theirs = per_id(layer), per_id(reference)
+    row_errors, slot_errors = [0.0], [0.0]
+    for key, (_, _, row, slots) in mine.items():
+        _, _, their_row, their_slots = theirs[key]
+        if row is not None:
+            row_errors.append(references.error(row, their_row))
+            slot_errors += [references.error(a, b) for a, b in zip(slots, their_slots)]
+    stats = layer.table_stats()
+    return {
+        "same_ids": sorted(mine) == sorted(theirs) and all(
+            mine[k][:2] == theirs[k][:2] and (mine[k][2] is None) == (theirs[k][2] is None)
+            for k in mine),
+        "rows": sum(v[2] is not None for v in mine.values()),
+        "slots": len(layer.embeddings._hybrid_dynamic_slots),
+        "row_error": max(row_errors),
+        "slot_error": max(slot_errors),
+        "stats": stats,
+        "reference_stats": reference.table_stats(),
+        "rows_devices": devices(layer.embeddings),
+        "remap_devices": list(layer.remap.devices),
+    }
+
+
+def case(strategy, weights, make_optimizer, inputs, clicks):
+    loss = keras.losses.BinaryCrossentropy(from_logits=True)
+    with strategy.scope():
+        model = build_model()
+        model.set_weights(weights)
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    dataset = tf.data.Dataset.from_tensor_slices((inputs, clicks)).batch(GLOBAL_BATCH)
+    model.fit(dataset, epochs=1, verbose=0)
+    reference = build_model()
+    reference.set_weights(weights)
+    reference.compile(optimizer=make_optimizer(), loss=loss)
+    reference.fit(dataset, epochs=1, verbose=0)
+    dense = {path(w): references.error(references.values(w), references.values(r))
+             for w, r in zip(model.weights, reference.weights)
+             if path(w).split("/")[0] not in TABLES}
+    return {"tables": {name: compare(model.get_layer(name), reference.get_layer(name))
+                       for name in TABLES},
+            "dense_errors": dense}
+
+
+def main():
+    import hybrid_strategy
+
+    keras.utils.set_random_seed(3)
+    weights = build_model().get_weights()
+    inputs, clicks = make_data()
+    report = {}
+    for name, (make_optimizer, mode) in cases().items():
+        strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=256, sparse_update=mode)
+        report[name] = case(strategy, weights, make_optimizer, inputs, clicks)
+    json.dump(report, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
