@@ -1,0 +1,293 @@
+"""DynamicEmbedding: raw-id tables with admission and eviction, exact on a cluster.
+
+In this process: the id -> row map's decisions (admission at `min_count`, LRU and
+LFU eviction, ages, a bounded memory under ids that never repeat), the layer's
+vectors for single- and multi-hot inputs against numpy, rows and optimizer slots
+reset on admission, weights files restored over another number of map shards, and
+errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
+and tf_keras): every id's count, last step, row and optimizer slots match training
+on one device, with admissions and evictions on.
+"""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from runs import Runs, json_report, on_cluster
+
+keras = tf.keras
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "dynamic_scenario.py")
+TOLERANCE = 1e-5
+PS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
+
+
+def _layers():
+    from hybrid_strategy.layers import DynamicEmbedding
+    from hybrid_strategy.tables import dynamic
+    return DynamicEmbedding, dynamic
+
+
+def _remap(**kwargs):
+    _, dynamic = _layers()
+    return dynamic.Remap(devices=["/cpu:0"] * kwargs.pop("shards", 1), **kwargs)
+
+
+def _train(remap, ids, reset=None):
+    _, dynamic = _layers()
+    keys = dynamic.keys_of(tf.constant(ids, tf.int64))
+    return remap.train(keys, reset or (lambda rows, keys: [])).numpy()
+
+
+def _held(remap):
+    snapshot = remap.snapshot()
+    return {int(k): tuple(int(x) for x in v)
+            for k, v in zip(snapshot["keys"], snapshot["values"])}
+
+
+# The id -> row map --------------------------------------------------------------------
+
+
+def test_an_id_gets_a_row_at_its_min_count_th_sighting():
+    remap = _remap(capacity=8, min_count=3)
+    assert list(_train(remap, [5, 5, 6])) == [-1, -1, -1]
+    rows = _train(remap, [5, 6, 7])
+    assert rows[0] >= 0 and list(rows[1:]) == [-1, -1]
+    assert _held(remap)[5][1:] == (3, 2)   # count 3, last seen at step 2
+    assert _held(remap)[6] == (-1, 2, 2)
+
+
+@pytest.mark.parametrize("policy, evicted", [("lru", 1), ("lfu", 2)])
+def test_rows_run_out_the_policy_picks_whom_to_evict(policy, evicted):
+    remap = _remap(capacity=3, policy=policy, headroom=0)
+    _train(remap, [1, 1, 1, 2])   # step 1: 1 seen three times, 2 once
+    _train(remap, [3])            # step 2: every row taken
+    _train(remap, [2, 3])         # step 3: 1 is the oldest, 2 and 3 the least seen
+    assert min(_train(remap, [4])) >= 0
+    held = _held(remap)
+    assert sorted(held) == sorted({1, 2, 3, 4} - {evicted}), held
+    assert int(remap.evictions.numpy()) == 1
+    assert sorted(v[0] for v in held.values()) == [0, 1, 2]
+
+
+def test_ids_seen_in_the_step_are_never_evicted_for_it():
+    remap = _remap(capacity=2, headroom=0)
+    _train(remap, [1, 2])
+    rows = _train(remap, [1, 2, 3])   # no row for 3 without evicting 1 or 2
+    assert rows[2] == -1 and min(rows[:2]) >= 0
+    assert sorted(_held(remap)) == [1, 2, 3]   # 3 waits, counted
+    assert min(_train(remap, [3])) >= 0
+
+
+def test_ids_unseen_for_max_age_steps_are_evicted():
+    remap = _remap(capacity=10, max_age=2)
+    _train(remap, [1, 2])
+    for _ in range(4):
+        _train(remap, [2])
+    assert sorted(_held(remap)) == [2]
+    assert int(remap.num_free.numpy()) == 9
+
+
+def test_memory_stays_bounded_under_ids_that_never_repeat():
+    remap = _remap(capacity=64, min_count=2, shards=2)
+    for step in range(60):
+        _train(remap, np.arange(step * 50, step * 50 + 50) * 7919 - 2**40)
+        entries = sum(int(t.size().numpy()) for t in remap.shards)
+        # At most the capacity of ids waiting for admission, beside the admitted.
+        assert entries <= 64 + 64, (step, entries)
+    assert int(remap.admissions.numpy()) == 0   # nothing seen twice
+
+
+def test_decisions_do_not_depend_on_the_order_of_ids_or_the_number_of_shards():
+    ids = np.random.default_rng(0).integers(-2**63 + 2, 2**63 - 1, 40, dtype=np.int64)
+    stream = [np.concatenate([ids[k:k + 12], ids[:3]]) for k in range(0, 28, 4)]
+    # More new ids than rows in every step: which ones get rows must not depend on
+    # their order.
+    one, three = _remap(capacity=9, headroom=1), _remap(capacity=9, headroom=1, shards=3)
+    for batch in stream:
+        _train(one, batch)
+        _train(three, batch[::-1])
+    assert {k: v[1:] for k, v in _held(one).items()} == {
+        k: v[1:] for k, v in _held(three).items()}
+    assert ({k for k, v in _held(one).items() if v[0] >= 0}
+            == {k for k, v in _held(three).items() if v[0] >= 0})
+
+
+def test_reserved_ids_are_refused():
+    remap = _remap(capacity=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="reserved"):
+        _train(remap, [np.iinfo(np.int64).min, 3])
+
+
+# The layer ------------------------------------------------------------------------------
+
+
+def _layer(**kwargs):
+    DynamicEmbedding, _ = _layers()
+    layer = DynamicEmbedding(**{"output_dim": 3, "capacity": 16, **kwargs})
+    layer.build()
+    return layer
+
+
+def test_vectors_of_single_hot_ids_are_their_rows_and_unknown_ids_zeros():
+    layer = _layer(min_count=2)
+    ids = tf.constant([[11], [2**62], [11]], tf.int64)
+    first = layer(ids, training=True).numpy()
+    assert first.shape == (3, 1, 3)
+    np.testing.assert_array_equal(first[1], 0)           # 2**62 seen once: no row
+    assert np.abs(first[0]).max() > 0                   # 11 seen twice: its fresh row
+    np.testing.assert_array_equal(first[0], first[2])
+    # Prediction reads without counting: 2**62 still has no row.
+    np.testing.assert_array_equal(layer(ids).numpy(), first)
+    assert layer.table_stats()["admissions"] == 1
+
+
+def test_an_ids_initial_row_is_the_same_wherever_it_lands():
+    a, b = _layer(seed=4), _layer(seed=4)
+    a(tf.constant([1, 2, 3], tf.int64), training=True)
+    b(tf.constant([3, 9], tf.int64), training=True)
+    np.testing.assert_array_equal(a(tf.constant([3], tf.int64)), b(tf.constant([3], tf.int64)))
+    values = a(tf.constant([1, 2, 3], tf.int64)).numpy()
+    assert np.abs(values).max() <= 0.05 and len({tuple(v) for v in values}) == 3
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_multi_hot_padded_and_ragged_inputs_combine_as_numpy_does(combiner):
+    layer = _layer(key_dtype="string", combiner=combiner, pad_id="")
+    padded = tf.constant([["a", "b", ""], ["b", "", ""], ["", "", ""]])
+    out = layer(padded, training=True).numpy()
+    single = {k: layer(tf.ragged.constant([[k]])).numpy()[0] for k in "ab"}
+    scale = {"sum": 1.0, "mean": 0.5, "sqrtn": 2 ** -0.5}[combiner]
+    np.testing.assert_allclose(out[0], (single["a"] + single["b"]) * scale, rtol=1e-6)
+    np.testing.assert_allclose(out[1], single["b"], rtol=1e-6)
+    np.testing.assert_array_equal(out[2], 0)
+    ragged = layer(tf.ragged.constant([["a", "b"], ["b"], []])).numpy()
+    np.testing.assert_allclose(ragged, out, rtol=1e-6)
+
+
+def test_gradients_reach_admitted_rows_once_each_and_skip_waiting_ids():
+    layer = _layer(min_count=2)
+    ids = tf.constant([7, 7, 8, 7], tf.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids, training=True))
+    grad = tape.gradient(loss, layer.embeddings)
+    assert isinstance(grad, tf.IndexedSlices)
+    (row,) = layer.remap.lookup(tf.constant([7], tf.int64)).numpy()
+    assert list(grad.indices.numpy()) == [row]           # 8 waits: no gradient
+    np.testing.assert_array_equal(grad.values.numpy(), np.full((1, 3), 3.0))
+
+
+def test_an_evicted_id_comes_back_with_a_fresh_row_and_fresh_slots():
+    DynamicEmbedding, _ = _layers()
+    # The id's gradient depends on its own row alone: the same step from a fresh
+    # row and fresh Adagrad accumulators gives the same row again.
+    model = keras.Sequential([keras.Input((1,), dtype="int64"),
+                              DynamicEmbedding(2, capacity=2, name="ids", seed=1),
+                              keras.layers.Flatten(),
+                              keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                                                 trainable=False)])
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5, initial_accumulator_value=0.25),
+                  loss="mse")
+    layer = model.get_layer("ids")
+    five = tf.constant([[5]], tf.int64)
+    np.testing.assert_array_equal(layer(five).numpy(), 0)   # no row yet
+    model.fit(np.array([[5]]), np.ones((1, 1)), verbose=0)
+    first = layer(five).numpy()
+    model.fit(np.array([[6], [7]]), np.ones((2, 1)), batch_size=2, verbose=0)  # evicts 5
+    np.testing.assert_array_equal(layer(five).numpy(), 0)
+    model.fit(np.array([[5]]), np.ones((1, 1)), verbose=0)   # evicts 6; 5 from scratch
+    assert layer.table_stats()["evictions"] == 2
+    np.testing.assert_allclose(layer(five).numpy(), first, rtol=1e-6)
+    assert np.abs(first).max() > 0
+
+
+def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path):
+    DynamicEmbedding, dynamic = _layers()
+
+    def model():
+        return keras.Sequential([keras.Input((2,), dtype="int64"),
+                                 DynamicEmbedding(4, capacity=20, min_count=2, name="ids",
+                                                  combiner="sum"),
+                                 keras.layers.Dense(1)])
+
+    saved = model()
+    saved.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(1).integers(0, 30, (64, 2)) * 10**12
+    saved.fit(x, np.ones((64, 1)), batch_size=8, verbose=0)
+    path = str(tmp_path / "dynamic.weights.h5")
+    saved.save_weights(path)
+    restored = model()
+    layer = restored.get_layer("ids")
+    layer.remap = dynamic.Remap(20, ["/cpu:0"] * 3, min_count=2)
+    restored.load_weights(path)
+    np.testing.assert_allclose(restored.predict(x, verbose=0), saved.predict(x, verbose=0),
+                               rtol=1e-6)
+    assert layer.table_stats() == {**saved.get_layer("ids").table_stats(),
+                                   "rows_in_use": layer.table_stats()["rows_in_use"]}
+    assert sum(layer.table_stats()["rows_in_use"]) == sum(
+        saved.get_layer("ids").table_stats()["rows_in_use"])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"capacity": 0}, ValueError, "capacity=0"),
+    ({"key_dtype": "int32"}, ValueError, "key_dtype"),
+    ({"eviction": "fifo"}, ValueError, "eviction"),
+    ({"min_count": 0}, ValueError, "min_count"),
+    ({"combiner": "max"}, ValueError, "combiner"),
+    ({"embeddings_initializer": "orthogonal"}, ValueError, "not supported"),
+])
+def test_bad_arguments_are_refused_when_the_layer_is_made(kwargs, error, match):
+    DynamicEmbedding, _ = _layers()
+    with pytest.raises(error, match=match):
+        DynamicEmbedding(**{"output_dim": 3, "capacity": 4, **kwargs})
+
+
+def test_ids_of_the_wrong_dtype_are_refused():
+    with pytest.raises(TypeError, match="got float32 ids"):
+        _layer()(tf.constant([1.0, 2.0]), training=True)
+    with pytest.raises(TypeError, match="got int64 ids"):
+        _layer(key_dtype="string")(tf.constant([1, 2], tf.int64), training=True)
+    with pytest.raises(ValueError, match="2-D input"):
+        _layer(combiner="sum")(tf.constant([1, 2], tf.int64), training=True)
+
+
+# On a cluster ---------------------------------------------------------------------------
+
+RUNS = Runs({flavour: functools.partial(
+    json_report, on_cluster(SCRIPT, workers=2, ps=2), f"dynamic_scenario ({flavour})", flavour)
+    for flavour in ("keras3", "tf_keras")})
+
+
+@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
+def report(request):
+    return RUNS.result(request.param, request)
+
+
+@pytest.mark.cluster
+def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(report):
+    assert sorted(report) == ["adagrad", "adam_exact", "sgd_momentum_exact"]
+    for name, case in report.items():
+        for table, result in case["tables"].items():
+            assert result["same_ids"], (name, table)
+            assert result["row_error"] <= TOLERANCE, (name, table, result["row_error"])
+            assert result["slot_error"] <= TOLERANCE, (name, table, result["slot_error"])
+            assert result["slots"] == (2 if name == "adam_exact" else 1), (name, table)
+            stats = result["stats"]
+            assert stats == result["reference_stats"] | {"rows_in_use": stats["rows_in_use"]}
+            # The stream overflows both tables: rows were evicted and given again.
+            assert stats["evictions"] > 0 and stats["admissions"] > stats["capacity"], stats
+            assert sum(stats["rows_in_use"]) == stats["capacity"], stats
+        assert max(case["dense_errors"].values()) <= TOLERANCE, name
+
+
+@pytest.mark.cluster
+def test_rows_and_id_maps_are_split_over_both_ps_tasks(report):
+    for case in report.values():
+        for result in case["tables"].values():
+            assert sorted(result["rows_devices"]) == PS
+            assert sorted(result["remap_devices"]) == PS
+            assert all(n > 0 for n in result["stats"]["rows_in_use"]), result["stats"]
