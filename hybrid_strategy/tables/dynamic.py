@@ -140,7 +140,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         policy: "lru" or "lfu": which rows go when rows run out.
         max_age: Steps without a sighting after which an id is evicted (None: never).
         headroom: Rows evicted beyond the shortfall, when rows run out (None:
-            capacity // 64).
+            capacity // 8).
         name: A name for the state's variables.
     """
 
@@ -151,14 +151,17 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         self.min_count = int(min_count)
         self.policy = policy
         self.max_age = None if max_age is None else int(max_age)
-        self.headroom = max(0, self.capacity // 64 if headroom is None else int(headroom))
+        self.headroom = max(0, self.capacity // 8 if headroom is None else int(headroom))
+        # Room for a shard's share of the admitted ids and as many waiting ones at a
+        # load under 0.8 (a power of two): an eviction pass exports every bucket.
+        buckets = 1 << max(4, int(np.ceil(np.log2(2.5 * self.capacity / len(self.devices)))))
         self.shards = []
         for k, device in enumerate(self.devices):
             with tf.device(device):
                 self.shards.append(tf.lookup.experimental.DenseHashTable(
                     tf.int64, tf.int64, default_value=tf.constant(_UNSEEN, tf.int64),
                     empty_key=EMPTY_KEY, deleted_key=DELETED_KEY,
-                    name=f"{name}_shard_{k}"))
+                    initial_num_buckets=buckets, name=f"{name}_shard_{k}"))
         home = self.devices[0]
         # Rows are popped from the end: 0, 1, 2, ... first.
         self.free = _variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
@@ -199,14 +202,23 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 ops.append(table.insert_or_assign(part_keys, part_values))
         return ops
 
-    def _erase(self, keys):
-        ops = []
-        shard = shard_of(keys, len(self.shards))
-        for table, device, part in zip(self.shards, self.devices,
-                                       tf.dynamic_partition(keys, shard, len(self.shards))):
+    def _replace(self, keys, values):
+        """Every shard emptied, then holding `keys` and `values`: how ids are removed.
+
+        A DenseHashTable's `erase` leaves a tombstone in the bucket, never reclaimed:
+        a table erased often enough probes forever (an InternalError) even when
+        nearly empty. Importing empty buckets clears it.
+        """
+        cleared = []
+        for table, device in zip(self.shards, self.devices):
             with tf.device(device):
-                ops.append(table.erase(part))
-        return ops
+                buckets, values_of_buckets = table.export()
+                cleared.append(tf.raw_ops.LookupTableImportV2(
+                    table_handle=table.resource_handle,
+                    keys=tf.fill(tf.shape(buckets), tf.constant(EMPTY_KEY, tf.int64)),
+                    values=tf.zeros_like(values_of_buckets)))
+        with tf.control_dependencies(cleared):
+            return self._write(keys, values)
 
     def lookup(self, keys):
         """Each key's row, or -1 for keys not admitted; changes nothing."""
@@ -242,8 +254,13 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         to each key's initial values. Returns each key's row after the step's
         decisions (-1: not admitted), computed once for all replicas.
         """
+        # Beside the first shard: the step's bookkeeping waits on the network only for
+        # the other shards' finds and writes.
         with tf.device(self.devices[0]):
-            step = self.step.assign_add(1)
+            return self._train(keys, reset)
+
+    def _train(self, keys, reset):
+        step = self.step.assign_add(1)
         distinct, position, count = tf.unique_with_counts(keys, out_idx=tf.int64)
         order = tf.argsort(distinct, stable=True)
         distinct = tf.gather(distinct, order)
@@ -262,10 +279,9 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         rank = tf.cumsum(tf.cast(wanting, tf.int64), exclusive=True)
         admitted = wanting & (rank < num_free)
         num_admitted = tf.reduce_sum(tf.cast(admitted, tf.int64))
-        with tf.device(self.devices[0]):
-            popped = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
-            take = [self.num_free.assign_sub(num_admitted, read_value=False),
-                    self.admissions.assign_add(num_admitted, read_value=False)]
+        popped = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
+        take = [self.num_free.assign_sub(num_admitted, read_value=False),
+                self.admissions.assign_add(num_admitted, read_value=False)]
         new_keys = tf.boolean_mask(distinct, admitted)
         new_rows = tf.gather(popped, tf.boolean_mask(rank, admitted))
         row = tf.tensor_scatter_nd_update(row, tf.where(admitted), new_rows)
@@ -302,15 +318,15 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         excess = tf.reduce_sum(tf.cast(waiting, tf.int64)) - self.capacity // 2
         excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.capacity, tf.int64)
         gone |= self._lowest(keys, waiting, last, count, excess)
-        freed = tf.boolean_mask(row, gone & admitted)
+        freed = tf.sort(tf.boolean_mask(row, gone & admitted))
         num_freed = tf.size(freed, out_type=tf.int64)
-        with tf.device(self.devices[0]):
-            num_free = self.num_free.read_value()
-            ops = [self.free.scatter_update(tf.IndexedSlices(
-                       freed, num_free + tf.range(num_freed))),
-                   self.num_free.assign_add(num_freed, read_value=False),
-                   self.evictions.assign_add(num_freed, read_value=False)]
-        return tf.group(ops + self._erase(tf.boolean_mask(keys, gone)))
+        num_free = self.num_free.read_value()
+        ops = [self.free.scatter_update(tf.IndexedSlices(freed, num_free + tf.range(num_freed))),
+               self.num_free.assign_add(num_freed, read_value=False),
+               self.evictions.assign_add(num_freed, read_value=False)]
+        kept = tf.logical_not(gone)
+        return tf.group(ops + self._replace(tf.boolean_mask(keys, kept),
+                                            tf.boolean_mask(values, kept)))
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
@@ -337,14 +353,12 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
     def restore(self, snapshot):
         """Replaces the remap's state with `snapshot`'s, over this remap's shards
         (their number may differ from the saving remap's)."""
-        keys, values = self.entries()
-        tf.group(self._erase(keys))
         free = np.asarray(snapshot["free"], np.int64)
         if np.asarray(snapshot["values"])[:, _ROW].max(initial=-1) >= self.capacity:
             raise ValueError(f"The snapshot holds rows beyond this table's capacity "
                              f"{self.capacity}: restore it into a table of its capacity.")
-        self._write(tf.constant(snapshot["keys"], tf.int64),
-                    tf.constant(snapshot["values"], tf.int64))
+        self._replace(tf.constant(snapshot["keys"], tf.int64),
+                      tf.reshape(tf.constant(snapshot["values"], tf.int64), [-1, 3]))
         stack = np.zeros(self.capacity, np.int64)
         stack[:len(free)] = free
         self.free.assign(stack)
