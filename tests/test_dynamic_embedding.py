@@ -6,17 +6,18 @@ vectors for single- and multi-hot inputs against numpy, rows and optimizer slots
 reset on admission, weights files restored over another number of map shards, and
 errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
 and tf_keras): every id's count, last step, row and optimizer slots match training
-on one device, with admissions and evictions on.
+on one device, with admissions and evictions on; the exported SavedModel serves in a
+process without the strategy.
 """
 
-import functools
+import json
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from runs import Runs, json_report, on_cluster
+from runs import Runs, environ, json_report, on_cluster
 
 keras = tf.keras
 
@@ -257,14 +258,36 @@ def test_ids_of_the_wrong_dtype_are_refused():
 
 # On a cluster ---------------------------------------------------------------------------
 
-RUNS = Runs({flavour: functools.partial(
-    json_report, on_cluster(SCRIPT, workers=2, ps=2), f"dynamic_scenario ({flavour})", flavour)
-    for flavour in ("keras3", "tf_keras")})
+FLAVOURS = ("keras3", "tf_keras")
 
 
-@pytest.fixture(scope="module", params=["keras3", "tf_keras"])
-def report(request):
-    return RUNS.result(request.param, request)
+def train_and_serve(flavour, directory):
+    """The scenario's report, and its export served by another process."""
+    report = json_report(on_cluster(SCRIPT, directory, workers=2, ps=2),
+                         f"dynamic_scenario ({flavour})", flavour)
+    export = report.pop("export")
+    path = os.path.join(directory, "export.json")
+    with open(path, "w") as f:
+        json.dump(export, f)
+    serve_env = {k: v for k, v in environ(flavour).items() if k != "PYTHONPATH"}
+    served = json_report([os.path.join(HERE, "serve_dynamic_model.py"), path],
+                         "serving", env=serve_env, timeout=600, cwd=directory)
+    return report, export, served
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs.in_directories(train_and_serve, FLAVOURS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def report(request, runs):
+    return runs.result(request.param, request)[0]
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def served(request, runs):
+    return runs.result(request.param, request)[1:]
 
 
 @pytest.mark.cluster
@@ -292,3 +315,14 @@ def test_rows_and_id_maps_are_split_over_both_ps_tasks(report):
             assert sorted(result["rows_devices"]) == PS
             assert sorted(result["remap_devices"]) == PS
             assert all(n > 0 for n in result["stats"]["rows_in_use"]), result["stats"]
+
+
+@pytest.mark.cluster
+def test_the_export_serves_without_a_cluster_unknown_ids_getting_zero_vectors(served):
+    export, serving = served
+    assert serving["tf_config"] is None
+    outputs, expected = np.asarray(serving["outputs"]), np.asarray(export["predictions"])
+    assert outputs.shape == expected.shape == (40, 1)
+    np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-6)
+    # The 20 never-seen ids all get the same (zero) vectors, hence one prediction.
+    assert np.ptp(outputs[20:]) == 0 and np.ptp(outputs[:20]) > 0
