@@ -233,6 +233,23 @@ def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path):
         saved.get_layer("ids").table_stats()["rows_in_use"])
 
 
+def test_tensorflow_checkpoints_restore_the_map_onto_another_number_of_shards(tmp_path):
+    ids = np.arange(40) * 1_000_003 - 2**50
+    two, three = _remap(capacity=16, min_count=2, shards=2), _remap(
+        capacity=16, min_count=2, shards=3)
+    for k in range(0, 40, 8):   # six ids admitted a step (seen twice), two left waiting
+        _train(two, np.concatenate([np.repeat(ids[k:k + 6], 2), ids[k + 6:k + 8]]))
+    assert int(two.evictions.numpy()) > 0
+    path = tf.train.Checkpoint(remap=two).write(str(tmp_path / "remap"))
+    tf.train.Checkpoint(remap=three).read(path).assert_consumed()
+    assert _held(three) == _held(two)
+    assert sorted(three.snapshot()["free"]) == sorted(two.snapshot()["free"])
+    later = np.repeat(ids[:12], 2)
+    np.testing.assert_array_equal(_train(three, later) >= 0, _train(two, later) >= 0)
+    assert {k: v[1:] for k, v in _held(three).items()} == {
+        k: v[1:] for k, v in _held(two).items()}
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"capacity": 0}, ValueError, "capacity=0"),
     ({"key_dtype": "int32"}, ValueError, "key_dtype"),

@@ -340,30 +340,52 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                              tf.shape(keys, out_type=tf.int32))
 
     # Snapshots -------------------------------------------------------------------
+    #
+    # One snapshot for the whole map: every id with its row, count and last step,
+    # the free rows and the counters, whatever the number of shards, so that it
+    # restores onto another number of PS tasks. TensorFlow checkpoints save the
+    # snapshot, not the shards; SavedModels hold the shards, which serving reads.
+
+    def _snapshot_tensors(self):
+        keys, values = self.entries()
+        return {"keys": keys, "values": values, "free": self.free[:self.num_free.read_value()],
+                "counters": tf.stack([self.step.read_value(), self.admissions.read_value(),
+                                      self.evictions.read_value()])}
 
     def snapshot(self):
         """Every key and its [row, count, last], the free rows and counters, as numpy."""
-        keys, values = self.entries()
-        num_free = int(self.num_free.numpy())
-        return {"keys": keys.numpy(), "values": values.numpy(),
-                "free": self.free.numpy()[:num_free],
-                "counters": np.array([self.step.numpy(), self.admissions.numpy(),
-                                      self.evictions.numpy()], np.int64)}
+        return {name: value.numpy() for name, value in self._snapshot_tensors().items()}
 
     def restore(self, snapshot):
-        """Replaces the remap's state with `snapshot`'s, over this remap's shards
-        (their number may differ from the saving remap's)."""
-        free = np.asarray(snapshot["free"], np.int64)
-        if np.asarray(snapshot["values"])[:, _ROW].max(initial=-1) >= self.capacity:
-            raise ValueError(f"The snapshot holds rows beyond this table's capacity "
-                             f"{self.capacity}: restore it into a table of its capacity.")
-        self._replace(tf.constant(snapshot["keys"], tf.int64),
-                      tf.reshape(tf.constant(snapshot["values"], tf.int64), [-1, 3]))
-        stack = np.zeros(self.capacity, np.int64)
-        stack[:len(free)] = free
-        self.free.assign(stack)
-        self.num_free.assign(len(free))
-        step, admissions, evictions = (int(c) for c in snapshot["counters"])
-        self.step.assign(step)
-        self.admissions.assign(admissions)
-        self.evictions.assign(evictions)
+        """Replaces the map's state with `snapshot`'s (numpy arrays or tensors), over
+        this map's shards, whose number may differ from the saving map's. Runs in
+        eager mode and in a tf.function (restores on a cluster)."""
+        with tf.device(self.devices[0]):
+            values = tf.reshape(tf.convert_to_tensor(snapshot["values"], tf.int64), [-1, 3])
+            free = tf.convert_to_tensor(snapshot["free"], tf.int64)
+            counters = tf.convert_to_tensor(snapshot["counters"], tf.int64)
+            fits = tf.debugging.assert_less(
+                tf.reduce_max(tf.concat([values[:, _ROW], free, [-1]], 0)),
+                tf.constant(self.capacity, tf.int64),
+                message=f"The snapshot holds rows beyond this table's capacity "
+                        f"{self.capacity}: restore it into a table of its capacity.")
+            with tf.control_dependencies([fits]):
+                writes = self._replace(tf.convert_to_tensor(snapshot["keys"], tf.int64), values)
+                stack = tf.concat([free, tf.zeros([self.capacity - tf.size(free)], tf.int64)], 0)
+                writes += [self.free.assign(stack, read_value=False),
+                           self.num_free.assign(tf.size(free, out_type=tf.int64),
+                                                read_value=False)]
+                writes += [v.assign(counters[i], read_value=False) for i, v in enumerate(
+                    (self.step, self.admissions, self.evictions))]
+            return tf.group(writes)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type == "checkpoint":
+            return {}
+        return super()._trackable_children(save_type, **kwargs)
+
+    def _serialize_to_tensors(self):
+        return self._snapshot_tensors()
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.restore(restored_tensors)
