@@ -10,7 +10,8 @@ device from the same weights on the same global batches, and reports, per table,
 whether both hold the same ids with the same counts and last steps, the relative
 error of each id's row and optimizer slots, and of the dense weights, admissions,
 evictions, and where rows and maps live. Keras 3 and, under TF_USE_LEGACY_KERAS=1,
-tf_keras. Given a directory, it also exports the first case's model there (`model.export`) with its predictions for held-out ids,
+tf_keras. Given a directory, it also exports the first case's model there (Keras 3 `model.export`,
+tf_keras `tf.saved_model.save`) with its predictions for held-out ids,
 some never seen, for `serve_dynamic_model.py` to compare. Prints the report as JSON:
 
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dynamic_scenario.py [DIR]
@@ -150,8 +151,8 @@ def export(model, inputs, directory):
     path = os.path.join(directory, "saved_model")
     if hasattr(keras, "ops"):
         model.export(path, verbose=False)
-    else:
-        model.export(path)
+    else:  # tf_keras' model.export tracks variables only, not the maps' hash tables
+        tf.saved_model.save(model, path)
     predictions = model.predict([tf.constant(x) for x in held_out], verbose=0)
     return {"path": path, "user": held_out[0].tolist(),
             "items": held_out[1].astype(str).tolist(), "predictions": predictions.tolist()}

@@ -18,6 +18,8 @@ import tensorflow as tf
 # TF-private: regroups the rows computed once for the global batch into each
 # replica's part, as merge_call's results are handed back.
 from tensorflow.python.distribute import distribute_utils
+# TF-private: tells that tf.saved_model.save is tracing the functions it exports.
+from tensorflow.python.saved_model import save_context
 
 from hybrid_strategy.keras_integration import dynamic_hooks
 from hybrid_strategy.tables import dynamic
@@ -104,7 +106,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         ids, layout = self._flat_ids(inputs)
         keys = dynamic.keys_of(ids)
         context = tf.distribute.get_replica_context()
-        if training and context is not None:
+        # A SavedModel's traces (tf_keras traces training calls too) only look up.
+        if training and context is not None and not save_context.in_save_context():
             rows = context.merge_call(self._train_step, args=(keys,))
         else:
             rows = self.remap.lookup(keys)

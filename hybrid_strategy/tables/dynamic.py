@@ -43,6 +43,8 @@ import tensorflow as tf
 # distribution strategy's variable creator; the remap's bookkeeping lives on one
 # device and is written once per step, not mirrored.
 from tensorflow.python.ops import resource_variable_ops
+# TF-private: tells a SavedModel's save (which holds the shards) from a checkpoint's.
+from tensorflow.python.saved_model import save_context
 
 POLICIES = ("lru", "lfu")
 # DenseHashTable reserves two keys; no id maps to them (`keys_of`).
@@ -385,7 +387,11 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         return super()._trackable_children(save_type, **kwargs)
 
     def _serialize_to_tensors(self):
+        if save_context.in_save_context():  # a SavedModel: its shards save themselves
+            return {}
         return self._snapshot_tensors()
 
     def _restore_from_tensors(self, restored_tensors):
+        if not restored_tensors:  # traced for a SavedModel, which saved none
+            return tf.no_op()
         return self.restore(restored_tensors)
