@@ -7,7 +7,10 @@ reset on admission, weights files restored over another number of map shards, an
 errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
 and tf_keras): every id's count, last step, row and optimizer slots match training
 on one device, with admissions and evictions on; the exported SavedModel serves in a
-process without the strategy.
+process without the strategy; a save in the middle of an epoch on 2 ps (Keras 3
+weights file, tf_keras TensorFlow checkpoint), restored onto 1 and onto 3 ps, ends
+training exactly where the uninterrupted run ended
+(tests/dynamic_checkpoint_scenario.py).
 """
 
 import json
@@ -23,6 +26,7 @@ keras = tf.keras
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dynamic_scenario.py")
+CHECKPOINT_SCRIPT = os.path.join(HERE, "dynamic_checkpoint_scenario.py")
 TOLERANCE = 1e-5
 PS = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)]
 
@@ -116,12 +120,6 @@ def test_decisions_do_not_depend_on_the_order_of_ids_or_the_number_of_shards():
         k: v[1:] for k, v in _held(three).items()}
     assert ({k for k, v in _held(one).items() if v[0] >= 0}
             == {k for k, v in _held(three).items() if v[0] >= 0})
-
-
-def test_reserved_ids_are_refused():
-    remap = _remap(capacity=4)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="reserved"):
-        _train(remap, [np.iinfo(np.int64).min, 3])
 
 
 # The layer ------------------------------------------------------------------------------
@@ -292,9 +290,29 @@ def train_and_serve(flavour, directory):
     return report, export, served
 
 
+def save_and_restore(flavour, directory):
+    """The uninterrupted run on 2 ps, and restores of its mid-epoch save on 1 and 3 ps."""
+    def phase(name, ps):
+        return json_report(on_cluster(CHECKPOINT_SCRIPT, name, directory, workers=2, ps=ps),
+                           f"dynamic_checkpoint_scenario {name} on {ps} ps ({flavour})",
+                           flavour)
+    return {"saved": phase("save", 2), "one_ps": phase("restore", 1),
+            "three_ps": phase("restore", 3)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return Runs.in_directories(train_and_serve, FLAVOURS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    return Runs.in_directories(save_and_restore, FLAVOURS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def restored(request, checkpoint_runs):
+    return checkpoint_runs.result(request.param, request)
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
@@ -343,3 +361,23 @@ def test_the_export_serves_without_a_cluster_unknown_ids_getting_zero_vectors(se
     np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-6)
     # The 20 never-seen ids all get the same (zero) vectors, hence one prediction.
     assert np.ptp(outputs[20:]) == 0 and np.ptp(outputs[:20]) > 0
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("onto", ["one_ps", "three_ps"])
+def test_a_mid_epoch_save_restored_onto_other_ps_counts_ends_where_training_ended(
+        restored, onto):
+    saved, resumed = restored["saved"], restored[onto]
+    assert (saved["num_ps"], resumed["num_ps"]) == (2, 1 if onto == "one_ps" else 3)
+    assert all(len(d) == resumed["num_ps"] for d in resumed["remap_devices"].values())
+    assert resumed["iterations"] == saved["iterations"]
+    for table, ids in saved["tables"].items():
+        assert sorted(resumed["tables"][table]) == sorted(ids), table
+        for key, state in ids.items():
+            mine = resumed["tables"][table][key]
+            assert mine[:2] == state[:2], (table, key)
+            if len(state) > 2:   # an admitted id: its row and slots
+                np.testing.assert_allclose(mine[2], state[2], rtol=TOLERANCE, atol=1e-7)
+                np.testing.assert_allclose(mine[3], state[3], rtol=TOLERANCE, atol=1e-7)
+    for path, value in saved["dense"].items():
+        np.testing.assert_allclose(resumed["dense"][path], value, rtol=TOLERANCE, atol=1e-7)

@@ -48,8 +48,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     Args:
         output_dim: Size of each vector.
         capacity: Number of rows (ids held at once).
-        key_dtype: "int64" (integer ids; int64 min and min + 1 are reserved) or
-            "string".
+        key_dtype: "int64" (integer ids, any value) or "string".
         min_count: Sightings in training before an id gets a row (1: at once).
         eviction: "lru" or "lfu".
         max_age: Training steps without a sighting after which an id is evicted;

@@ -2,7 +2,7 @@
 
 A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTable`
 on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
-`DenseHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
+`MutableHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
 one per PS task, on that task) from the id's key to `[row, count, last step]`, and,
 beside the first shard, a stack of free rows, the step counter and the totals of
 admissions and evictions.
@@ -47,9 +47,6 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
 POLICIES = ("lru", "lfu")
-# DenseHashTable reserves two keys; no id maps to them (`keys_of`).
-EMPTY_KEY = np.iinfo(np.int64).min
-DELETED_KEY = EMPTY_KEY + 1
 # [row, count, last step] of a key the remap has not seen.
 _UNSEEN = (-1, 0, -1)
 _ROW, _COUNT, _LAST = 0, 1, 2
@@ -64,14 +61,7 @@ def keys_of(ids):
     """
     if ids.dtype == tf.string:
         return tf.strings.to_hash_bucket_fast(ids, _STRING_BUCKETS)
-    ids = tf.cast(ids, tf.int64)
-    reserved = tf.reduce_any(ids <= DELETED_KEY)
-    check = tf.debugging.Assert(
-        tf.logical_not(reserved),
-        [f"DynamicEmbedding: ids {EMPTY_KEY} and {DELETED_KEY} are reserved (int64 min "
-         "and min + 1); map them to other ids."])
-    with tf.control_dependencies([check]):
-        return tf.identity(ids)
+    return tf.cast(ids, tf.int64)
 
 
 def _mix(keys, salt=0):
@@ -119,7 +109,7 @@ def initial_rows(keys, dim, initializer, seed, dtype):
 
 
 def _exported(table):
-    """Every bucket's key and value (empty and deleted ones too), keys flat."""
+    """Every id of a shard, and its [row, count, last], with their static shapes."""
     keys, values = table.export()
     return tf.reshape(keys, [-1]), tf.reshape(values, [-1, 3])
 
@@ -154,16 +144,14 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         self.policy = policy
         self.max_age = None if max_age is None else int(max_age)
         self.headroom = max(0, self.capacity // 8 if headroom is None else int(headroom))
-        # Room for a shard's share of the admitted ids and as many waiting ones at a
-        # load under 0.8 (a power of two): an eviction pass exports every bucket.
-        buckets = 1 << max(4, int(np.ceil(np.log2(2.5 * self.capacity / len(self.devices)))))
+        # MutableHashTable: TensorFlow's DenseHashTable never reclaims the buckets
+        # of erased keys (evicted ids), and lookups of absent ids then fail.
         self.shards = []
         for k, device in enumerate(self.devices):
             with tf.device(device):
-                self.shards.append(tf.lookup.experimental.DenseHashTable(
+                self.shards.append(tf.lookup.experimental.MutableHashTable(
                     tf.int64, tf.int64, default_value=tf.constant(_UNSEEN, tf.int64),
-                    empty_key=EMPTY_KEY, deleted_key=DELETED_KEY,
-                    initial_num_buckets=buckets, name=f"{name}_shard_{k}"))
+                    name=f"{name}_shard_{k}"))
         home = self.devices[0]
         # Rows are popped from the end: 0, 1, 2, ... first.
         self.free = _variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
@@ -194,33 +182,24 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         ops = []
         if len(self.shards) == 1:
             with tf.device(self.devices[0]):
-                return [self.shards[0].insert_or_assign(keys, values)]
+                return [self.shards[0].insert(keys, values)]
         shard = shard_of(keys, len(self.shards))
         for table, device, part_keys, part_values in zip(
                 self.shards, self.devices,
                 tf.dynamic_partition(keys, shard, len(self.shards)),
                 tf.dynamic_partition(values, shard, len(self.shards))):
             with tf.device(device):
-                ops.append(table.insert_or_assign(part_keys, part_values))
+                ops.append(table.insert(part_keys, part_values))
         return ops
 
-    def _replace(self, keys, values):
-        """Every shard emptied, then holding `keys` and `values`: how ids are removed.
-
-        A DenseHashTable's `erase` leaves a tombstone in the bucket, never reclaimed:
-        a table erased often enough probes forever (an InternalError) even when
-        nearly empty. Importing empty buckets clears it.
-        """
-        cleared = []
-        for table, device in zip(self.shards, self.devices):
+    def _erase(self, keys):
+        ops = []
+        shard = shard_of(keys, len(self.shards))
+        for table, device, part in zip(self.shards, self.devices,
+                                       tf.dynamic_partition(keys, shard, len(self.shards))):
             with tf.device(device):
-                buckets, values_of_buckets = table.export()
-                cleared.append(tf.raw_ops.LookupTableImportV2(
-                    table_handle=table.resource_handle,
-                    keys=tf.fill(tf.shape(buckets), tf.constant(EMPTY_KEY, tf.int64)),
-                    values=tf.zeros_like(values_of_buckets)))
-        with tf.control_dependencies(cleared):
-            return self._write(keys, values)
+                ops.append(table.remove(part))
+        return ops
 
     def lookup(self, keys):
         """Each key's row, or -1 for keys not admitted; changes nothing."""
@@ -232,9 +211,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         for table, device in zip(self.shards, self.devices):
             with tf.device(device):
                 k, v = _exported(table)
-                held = k > DELETED_KEY
-                keys.append(tf.boolean_mask(k, held))
-                values.append(tf.boolean_mask(v, held))
+                keys.append(k)
+                values.append(v)
         return tf.concat(keys, 0), tf.concat(values, 0)
 
     def rows_in_use(self):
@@ -242,9 +220,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         counts = []
         for table, device in zip(self.shards, self.devices):
             with tf.device(device):
-                k, v = _exported(table)
-                counts.append(tf.reduce_sum(tf.cast((k > DELETED_KEY) & (v[:, _ROW] >= 0),
-                                                    tf.int64)))
+                _, v = _exported(table)
+                counts.append(tf.reduce_sum(tf.cast(v[:, _ROW] >= 0, tf.int64)))
         return tf.stack(counts)
 
     # The training step ---------------------------------------------------------------
@@ -326,9 +303,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         ops = [self.free.scatter_update(tf.IndexedSlices(freed, num_free + tf.range(num_freed))),
                self.num_free.assign_add(num_freed, read_value=False),
                self.evictions.assign_add(num_freed, read_value=False)]
-        kept = tf.logical_not(gone)
-        return tf.group(ops + self._replace(tf.boolean_mask(keys, kept),
-                                            tf.boolean_mask(values, kept)))
+        return tf.group(ops + self._erase(tf.boolean_mask(keys, gone)))
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
@@ -372,7 +347,9 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 message=f"The snapshot holds rows beyond this table's capacity "
                         f"{self.capacity}: restore it into a table of its capacity.")
             with tf.control_dependencies([fits]):
-                writes = self._replace(tf.convert_to_tensor(snapshot["keys"], tf.int64), values)
+                with tf.control_dependencies(self._erase(self.entries()[0])):
+                    writes = self._write(tf.convert_to_tensor(snapshot["keys"], tf.int64),
+                                         values)
                 stack = tf.concat([free, tf.zeros([self.capacity - tf.size(free)], tf.int64)], 0)
                 writes += [self.free.assign(stack, read_value=False),
                            self.num_free.assign(tf.size(free, out_type=tf.int64),
