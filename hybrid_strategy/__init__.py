@@ -22,6 +22,8 @@ _EXPORTS = {
     "ClusterConfigError": "hybrid_strategy.cluster.config",
     "EXIT_TASK_LOST": "hybrid_strategy.cluster.config",
     "data_service_address": "hybrid_strategy.cluster.data_service",
+    "DynamicEmbedding": "hybrid_strategy.layers.dynamic_embedding",
+    "DynamicTableLogger": "hybrid_strategy.layers.table_logger",
     "TaskUnreachableError": "hybrid_strategy.cluster.config",
     "Placement": "hybrid_strategy.placement.plan",
     "PlacementPlan": "hybrid_strategy.placement.plan",

@@ -248,6 +248,33 @@ def test_tensorflow_checkpoints_restore_the_map_onto_another_number_of_shards(tm
         k: v[1:] for k, v in _held(two).items()}
 
 
+def test_the_logger_and_the_placement_report_rows_admissions_and_evictions():
+    import hybrid_strategy
+    from hybrid_strategy.layers import DynamicTableLogger
+
+    DynamicEmbedding, _ = _layers()
+    strategy = hybrid_strategy.HybridStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,), dtype="int64"),
+                                  DynamicEmbedding(4, capacity=8, name="ids"),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(32)[:, None] * 10**12
+    history = model.fit(x, np.ones((32, 1)), batch_size=8, epochs=2, verbose=0,
+                        callbacks=[DynamicTableLogger()])
+    # 32 ids through 8 rows, 8 ids a step: every step after the first evicts.
+    assert history.history["ids_rows"] == [8, 8]
+    assert history.history["ids_admitted"][0] == 32
+    assert history.history["ids_evicted"][0] == 24
+    stats = model.get_layer("ids").table_stats()
+    assert stats["admissions"] == sum(history.history["ids_admitted"])
+    assert stats["evictions"] == sum(history.history["ids_evicted"])
+    plan = str(strategy.placement)
+    assert "DynamicEmbedding layer" in plan
+    assert (f"capacity 8, rows in use 8 (by id map shard: 8), {stats['admissions']} "
+            f"admitted, {stats['evictions']} evicted in 8 steps") in plan
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"capacity": 0}, ValueError, "capacity=0"),
     ({"key_dtype": "int32"}, ValueError, "key_dtype"),

@@ -12,6 +12,8 @@ model.fit(ids, np.ones((2, 1)), epochs=2, verbose=0)
 ```
 """
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -99,6 +101,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         with tf.init_scope():  # Keras may build inside a traced function
             self.remap = dynamic.Remap(self.capacity, _remap_devices(), self.min_count,
                                        self.eviction, self.max_age, name=f"{self.name}_remap")
+        plan = getattr(tf.distribute.get_strategy(), "placement", None)
+        if plan is not None:
+            stats = weakref.WeakMethod(self.table_stats)
+            plan.add_dynamic(_path_of(self.embeddings),
+                             lambda: None if stats() is None else stats()())
         self.built = True
 
     def call(self, inputs, training=None):
@@ -272,6 +279,10 @@ def _serializable(initializer):
     if isinstance(initializer, str):
         return initializer
     return {"class_name": type(initializer).__name__, "config": initializer.get_config()}
+
+
+def _path_of(variable):
+    return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
 def _remap_devices():

@@ -131,9 +131,20 @@ class PlacementPlan:
 
     def __init__(self):
         self._records = {}
+        self._dynamic = {}
 
     def add(self, record):
         self._records[record.path] = record
+
+    def add_dynamic(self, path, stats):
+        """Lists the DynamicEmbedding whose rows are `path`; `stats()` gives its figures
+        (`DynamicEmbedding.table_stats`), or None once the layer is gone."""
+        self._dynamic[path] = stats
+
+    def dynamic_tables(self):
+        """{rows' path: figures} of the DynamicEmbedding tables alive."""
+        return {path: figures for path, stats in self._dynamic.items()
+                if (figures := stats()) is not None}
 
     def __getitem__(self, path):
         return self._records[path]
@@ -168,10 +179,15 @@ class PlacementPlan:
                           f"rows {s.index}::{s.count}")
                          for k, s in enumerate(r.placement.shards)]
         widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        return "\n".join(
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-            for row in rows
-        )
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                 for row in rows]
+        for path, t in self.dynamic_tables().items():
+            lines.append(f"dynamic {path}: capacity {t['capacity']:,}, rows in use "
+                         f"{sum(t['rows_in_use']):,} (by id map shard: "
+                         f"{', '.join(f'{n:,}' for n in t['rows_in_use'])}), "
+                         f"{t['admissions']:,} admitted, {t['evictions']:,} evicted "
+                         f"in {t['steps']:,} steps")
+        return "\n".join(lines)
 
 
 def _matches(path, pattern):
