@@ -25,8 +25,9 @@ ids become rows:
 
 --where local trains in this process; --where cluster under a HybridStrategy of
 1 worker + 1 ps (`python -m hybrid_strategy.launch`, this file as its chief): the tables
-on the ps. Per variant: examples/s over the chunks after the first (which holds the
-tracing), validation AUC (exact, numpy) after each chunk, the training time until it
+on the ps. The variants take their chunks in turn (chunk 1 of each, then chunk 2 of
+each, ...), so that load from elsewhere falls on all alike. Per variant: examples/s over
+the chunks after the first (which holds the tracing), validation AUC (exact, numpy) after each chunk, the training time until it
 first reaches --target-auc, collisions or admissions/evictions. --tfra adds
 TensorFlow Recommenders-Addons (benchmarks/tfra_contender.py, in its own virtualenv
 with TensorFlow 2.16.2) on the same data, batch and dim, in the same run. Results:
@@ -143,46 +144,55 @@ def _collisions(model, train):
     return out
 
 
-def run_variant(variant, args, data, strategy=None):
-    """One variant's training and figures."""
+def run_variants(args, data, strategy=None):
+    """Every variant's training and figures, their chunks taken in turn (chunk 1 of each
+    variant, then chunk 2 of each, ...), so that load from elsewhere falls on all alike."""
     import contextlib  # pylint: disable=import-outside-toplevel
 
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras = tf.keras
 
-    train, validation = data
-    sizes = _sizes(train, args.capacity_fraction)
-    if variant == "fixed":
-        train, validation = _fixed_ids(train, validation)
-    keras.utils.set_random_seed(1)
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = _model(variant, sizes, args.dim, train)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
-    whole = len(train["label"]) // args.batch * args.batch
-    bounds = np.linspace(0, whole // args.batch, args.chunks + 1).astype(int) * args.batch
-    chunks, trained = [], 0.0
+    sizes = _sizes(data[0], args.capacity_fraction)
+    parts, models = {}, {}
+    for variant in args.variants:
+        parts[variant] = _fixed_ids(*data) if variant == "fixed" else data
+        keras.utils.set_random_seed(1)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            models[variant] = _model(variant, sizes, args.dim, parts[variant][0])
+            models[variant].compile(optimizer=keras.optimizers.Adam(0.01),
+                                    loss="binary_crossentropy")
+    whole = len(data[0]["label"]) // args.batch
+    bounds = np.linspace(0, whole, args.chunks + 1).astype(int) * args.batch
+    chunks = {variant: [] for variant in args.variants}
     for start, end in zip(bounds[:-1], bounds[1:]):
-        began = time.perf_counter()
-        model.fit([train["user"][start:end, None], train["items"][start:end]],
-                  train["label"][start:end], batch_size=args.batch, epochs=1, shuffle=False,
-                  verbose=0)
-        seconds = time.perf_counter() - began
-        trained += seconds
-        scores = model.predict([validation["user"][:, None], validation["items"]],
-                               batch_size=4096, verbose=0).ravel()
-        chunks.append({"examples": int(end - start), "seconds": seconds, "trained": trained,
-                       "auc": raw_id_data.auc(validation["label"], scores)})
-        print(f"  {variant}: chunk {len(chunks)}/{args.chunks}: {end - start} examples in "
-              f"{seconds:.1f} s, validation AUC {chunks[-1]['auc']:.4f}", flush=True)
+        for variant in args.variants:
+            (train, validation), model = parts[variant], models[variant]
+            began = time.perf_counter()
+            model.fit([train["user"][start:end, None], train["items"][start:end]],
+                      train["label"][start:end], batch_size=args.batch, epochs=1,
+                      shuffle=False, verbose=0)
+            seconds = time.perf_counter() - began
+            scores = model.predict([validation["user"][:, None], validation["items"]],
+                                   batch_size=4096, verbose=0).ravel()
+            done = chunks[variant]
+            done.append({"examples": int(end - start), "seconds": seconds,
+                         "trained": seconds + (done[-1]["trained"] if done else 0.0),
+                         "auc": raw_id_data.auc(validation["label"], scores)})
+            print(f"  {variant}: chunk {len(done)}/{args.chunks}: {end - start} examples in "
+                  f"{seconds:.1f} s, validation AUC {done[-1]['auc']:.4f}", flush=True)
+    return {variant: _figures(variant, chunks[variant], models[variant], parts[variant][0],
+                              sizes, args) for variant in args.variants}
+
+
+def _figures(variant, chunks, model, train, sizes, args):
     timed = chunks[1:]
+    bounded = variant in ("dynamic", "hashing")
     out = {"examples_per_s": sum(c["examples"] for c in timed) / sum(c["seconds"] for c in timed),
            "auc": chunks[-1]["auc"], "chunks": chunks,
            "to_target_s": next((c["trained"] for c in chunks if c["auc"] >= args.target_auc),
                                None),
-           "rows": {"user": sizes["user_rows"] if variant in ("dynamic", "hashing") else
-                    sizes["users"] + 1,
-                    "items": sizes["item_rows"] if variant in ("dynamic", "hashing") else
-                    sizes["items"] + 1}}
+           "rows": {"user": sizes["user_rows"] if bounded else sizes["users"] + 1,
+                    "items": sizes["item_rows"] if bounded else sizes["items"] + 1}}
     if variant == "hashing":
         out["collisions"] = _collisions(model, train)
     if variant == "dynamic":
@@ -199,18 +209,14 @@ def _data(args):
 
 
 def run_local(args, data):
-    return {variant: run_variant(variant, args, data) for variant in args.variants}
+    return run_variants(args, data)
 
 
 def run_chief(args):
     """As the chief of a local cluster: every variant under one HybridStrategy."""
     import hybrid_strategy  # pylint: disable=import-outside-toplevel
 
-    data = _data(args)
-    results = {}
-    for variant in args.variants:
-        strategy = hybrid_strategy.HybridStrategy()
-        results[variant] = run_variant(variant, args, data, strategy)
+    results = run_variants(args, _data(args), hybrid_strategy.HybridStrategy())
     with open(args.chief, "w") as f:
         json.dump(results, f)
 

@@ -22,7 +22,8 @@ def pytest_configure(config):
 
 # The quick subset CI also runs on the oldest supported Keras (-m oldest_keras): the
 # cluster equivalence tests under Keras 3 and tf_keras, exports, a checkpoint restored
-# on another number of PS tasks, plain Keras unchanged and the patches' own checks.
+# on another number of PS tasks, plain Keras unchanged, the patches' own checks, and
+# dynamic tables (their optimizer slots are recorded by a patch) on a cluster.
 OLDEST_KERAS = {
     "test_equivalence.py": ("keras3_2workers_1ps", "tf_keras_2workers_2ps"),
     "test_serving.py": ("keras3",),
@@ -31,6 +32,8 @@ OLDEST_KERAS = {
     "test_saving_user_models.py": ("subclassed",),
     "test_plain_keras.py": ("",),
     "test_patches.py": ("",),
+    "test_dynamic_embedding.py": ("with_admission_and_eviction[keras3]",
+                                  "test_an_evicted_id_comes_back"),
 }
 
 

@@ -289,6 +289,16 @@ def test_bad_arguments_are_refused_when_the_layer_is_made(kwargs, error, match):
         DynamicEmbedding(**{"output_dim": 3, "capacity": 4, **kwargs})
 
 
+def test_the_config_makes_the_same_layer():
+    DynamicEmbedding, _ = _layers()
+    layer = DynamicEmbedding(3, 16, key_dtype="string", min_count=2, eviction="lfu",
+                             max_age=9, combiner="sqrtn", pad_id="", seed=4,
+                             embeddings_initializer=keras.initializers.RandomNormal(0.1, 0.2))
+    again = DynamicEmbedding.from_config(layer.get_config())
+    assert again.get_config() == layer.get_config()
+    assert again._initializer == layer._initializer == ("normal", 0.1, 0.2)
+
+
 def test_ids_of_the_wrong_dtype_are_refused():
     with pytest.raises(TypeError, match="got float32 ids"):
         _layer()(tf.constant([1.0, 2.0]), training=True)
@@ -352,8 +362,22 @@ def served(request, runs):
     return runs.result(request.param, request)[1:]
 
 
+REPLICAS = Runs({"two_replicas_per_worker": lambda: json_report(
+    on_cluster(SCRIPT, workers=2, ps=2, devices_per_worker=2),
+    "dynamic_scenario (2 workers of 2 replicas)")})
+
+
+@pytest.fixture(scope="module", params=["keras3", "tf_keras", "two_replicas_per_worker"])
+def exactness(request, runs):
+    """The scenario's report: Keras 3, tf_keras, and Keras 3 with 2 replicas per worker."""
+    if request.param == "two_replicas_per_worker":
+        return REPLICAS.result(request.param, request)
+    return runs.result(request.param, request)[0]
+
+
 @pytest.mark.cluster
-def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(report):
+def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(exactness):
+    report = exactness
     assert sorted(report) == ["adagrad", "adam_exact", "sgd_momentum_exact"]
     for name, case in report.items():
         for table, result in case["tables"].items():

@@ -12,6 +12,7 @@ model.fit(ids, np.ones((2, 1)), epochs=2, verbose=0)
 ```
 """
 
+import collections.abc
 import weakref
 
 import numpy as np
@@ -30,6 +31,7 @@ COMBINERS = (None, "sum", "mean", "sqrtn")
 KEY_DTYPES = ("int64", "string")
 
 
+@tf.keras.utils.register_keras_serializable(package="hybrid_strategy")
 class DynamicEmbedding(tf.keras.layers.Layer):
     """Turns raw ids (any int64 value, or strings) into vectors, admitting ids as they come.
 
@@ -93,6 +95,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         dynamic_hooks.install()
 
     def build(self, input_shape=None):
+        if getattr(tf.distribute.get_strategy(), "asynchronous", False):
+            raise NotImplementedError(
+                f"DynamicEmbedding {self.name!r}: asynchronous training is not supported "
+                "(each step runs on one worker, while admission and eviction need every "
+                "replica's ids of a step): use HybridStrategy(asynchronous=False).")
         # Rows are reset when admitted; zeros until then.
         self.embeddings = self.add_weight(name="embeddings",
                                           shape=(self.capacity, self.output_dim),
@@ -259,8 +266,11 @@ def _initializer_spec(initializer):
              "zeros": ("constant", 0.0, None)}
     if isinstance(initializer, str) and initializer in named:
         return named[initializer]
-    config = getattr(initializer, "get_config", lambda: None)()
-    kind = type(initializer).__name__
+    if isinstance(initializer, collections.abc.Mapping):  # from get_config
+        kind, config = initializer.get("class_name"), initializer.get("config", {})
+    else:
+        kind, config = type(initializer).__name__, getattr(
+            initializer, "get_config", dict)()
     if kind == "RandomUniform":
         return ("uniform", float(config["minval"]), float(config["maxval"]))
     if kind == "RandomNormal":
@@ -278,6 +288,8 @@ def _initializer_spec(initializer):
 def _serializable(initializer):
     if isinstance(initializer, str):
         return initializer
+    if isinstance(initializer, collections.abc.Mapping):  # Keras wraps dicts it tracks
+        return {"class_name": initializer["class_name"], "config": dict(initializer["config"])}
     return {"class_name": type(initializer).__name__, "config": initializer.get_config()}
 
 
