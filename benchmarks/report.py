@@ -524,7 +524,13 @@ def readme(runs, images):
              "- **Dynamic vocabularies** (per-id cost on a ps of MutableHashTable, "
              "DenseHashTable and an id-to-row remap against today's gather and scatter-add, "
              "exports, memory per id): [dynamic_table_cost.md](dynamic_table_cost.md), from "
-             "`python -m benchmarks.dynamic_table_cost`.",
+             "`python -m benchmarks.dynamic_table_cost`; `DynamicEmbedding` against `Hashing` "
+             "at the same memory, an offline vocabulary, a fixed table and TensorFlow "
+             "Recommenders-Addons on raw ids (examples/s, AUC, collisions): "
+             "[dynamic_vocabulary.md](dynamic_vocabulary.md), from `python -m "
+             "benchmarks.dynamic_vocabulary`; TensorFlow Recommenders-Addons alone: "
+             "[tfra_contender.md](tfra_contender.md), from `python -m "
+             "benchmarks.tfra_contender`.",
              ""]
     rows = targets(runs)
     if rows:

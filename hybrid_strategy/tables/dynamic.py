@@ -178,28 +178,26 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 found.append(table.lookup(part))
         return tf.ensure_shape(tf.dynamic_stitch(positions, found), [None, 3])
 
-    def _write(self, keys, values):
-        ops = []
+    def _on_shards(self, method, keys, *more):
+        """`table.<method>(its keys, its part of each of `more`)` on each shard, on its
+        device; returns the ops."""
         if len(self.shards) == 1:
-            with tf.device(self.devices[0]):
-                return [self.shards[0].insert(keys, values)]
-        shard = shard_of(keys, len(self.shards))
-        for table, device, part_keys, part_values in zip(
-                self.shards, self.devices,
-                tf.dynamic_partition(keys, shard, len(self.shards)),
-                tf.dynamic_partition(values, shard, len(self.shards))):
+            parts = [[keys, *more]]
+        else:
+            shard = shard_of(keys, len(self.shards))
+            split = [tf.dynamic_partition(t, shard, len(self.shards)) for t in (keys, *more)]
+            parts = list(zip(*split))
+        ops = []
+        for table, device, args in zip(self.shards, self.devices, parts):
             with tf.device(device):
-                ops.append(table.insert(part_keys, part_values))
+                ops.append(getattr(table, method)(*args))
         return ops
 
+    def _write(self, keys, values):
+        return self._on_shards("insert", keys, values)
+
     def _erase(self, keys):
-        ops = []
-        shard = shard_of(keys, len(self.shards))
-        for table, device, part in zip(self.shards, self.devices,
-                                       tf.dynamic_partition(keys, shard, len(self.shards))):
-            with tf.device(device):
-                ops.append(table.remove(part))
-        return ops
+        return self._on_shards("remove", keys)
 
     def lookup(self, keys):
         """Each key's row, or -1 for keys not admitted; changes nothing."""
