@@ -73,8 +73,9 @@ def test_a_silent_listener_fails_start_up_within_connect_timeout(monkeypatch):
     assert "/job:ps/task:0 at 127.0.0.1:" in message
 
 
-# Trains 4 epochs with BackupAndRestore and saves every weight, slot and counter. On its
-# first run it kills, in epoch 2, server number `victim` of HYBRID_STRATEGY_SERVER_PIDS or,
+# Trains 4 epochs with BackupAndRestore and saves every weight, slot and counter, and the
+# id -> row map of its DynamicEmbedding (ids, rows, counts, last steps, free rows,
+# admissions and evictions). On its first run it kills, in epoch 2, server number `victim` of HYBRID_STRATEGY_SERVER_PIDS or,
 # with "chief", itself; -1 kills nothing.
 RESTARTING_CHIEF = textwrap.dedent("""
     import os, signal, sys
@@ -87,11 +88,14 @@ RESTARTING_CHIEF = textwrap.dedent("""
     strategy = hybrid_strategy.HybridStrategy(task_timeout=10)
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,), dtype="int32"),
-                                  keras.layers.Embedding(1000, 8),
-                                  keras.layers.Flatten(),
-                                  keras.layers.Dense(4, activation="relu"),
-                                  keras.layers.Dense(1)])
+        ids = keras.Input((4,), dtype="int32")
+        table = keras.layers.Flatten()(keras.layers.Embedding(1000, 8)(ids))
+        dynamic = hybrid_strategy.DynamicEmbedding(8, capacity=100, min_count=2,
+                                                   max_waiting=2000, combiner="sum",
+                                                   name="dynamic")(ids)
+        x = keras.layers.Dense(4, activation="relu")(
+            keras.layers.Concatenate()([table, dynamic]))
+        model = keras.Model(ids, keras.layers.Dense(1)(x))
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     rng = np.random.RandomState(0)
     x = rng.randint(0, 1000, (256, 4)).astype("int32")
@@ -113,6 +117,10 @@ RESTARTING_CHIEF = textwrap.dedent("""
         keras.callbacks.BackupAndRestore(backup_dir, save_freq="epoch"), Kill()])
     state = {f"weight {i}": w for i, w in enumerate(model.get_weights())}
     state.update({f"optimizer {v.path}": v.numpy() for v in model.optimizer.variables})
+    snapshot = model.get_layer("dynamic").remap.snapshot()
+    order = np.argsort(snapshot["keys"])
+    state.update({"map keys": snapshot["keys"][order], "map values": snapshot["values"][order],
+                  "map free rows": snapshot["free"], "map counters": snapshot["counters"]})
     np.savez(out, epochs_run=np.array(epochs), **state)
 """)
 
@@ -155,6 +163,8 @@ def uninterrupted(request, restarts):
 
 def assert_same_state(state, expected):
     assert sorted(state) == sorted(expected)
+    # The dynamic table admitted and evicted ids: its map is compared too.
+    assert expected["map counters"][1] > 100 and expected["map counters"][2] > 0
     assert any(name.startswith("optimizer adam/") and "velocity" in name for name in state)
     assert state["optimizer adam/iteration"] == 32  # 4 epochs of 8 steps
     for name, value in expected.items():

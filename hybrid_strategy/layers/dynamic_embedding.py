@@ -57,6 +57,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         eviction: "lru" or "lfu".
         max_age: Training steps without a sighting after which an id is evicted;
             None: only when rows run out.
+        max_waiting: Ids seen fewer than `min_count` times whose counts are kept
+            (None: `capacity`); past it, the oldest half is forgotten. Make it larger
+            than the number of distinct ids seen between an id's sightings.
         combiner: None (a vector per id, shaped like the input plus `output_dim`), or
             "sum", "mean", "sqrtn": one vector per row of a 2-D (padded or ragged)
             input, combining its ids.
@@ -68,8 +71,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     """
 
     def __init__(self, output_dim, capacity, key_dtype="int64", min_count=1, eviction="lru",
-                 max_age=None, combiner=None, pad_id=None, embeddings_initializer="uniform",
-                 seed=0, **kwargs):
+                 max_age=None, max_waiting=None, combiner=None, pad_id=None,
+                 embeddings_initializer="uniform", seed=0, **kwargs):
         super().__init__(**kwargs)
         self.output_dim = _positive_int(output_dim, "output_dim")
         self.capacity = _positive_int(capacity, "capacity")
@@ -83,6 +86,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                              f"{dynamic.POLICIES}.")
         self.eviction = eviction
         self.max_age = None if max_age is None else _positive_int(max_age, "max_age")
+        self.max_waiting = (None if max_waiting is None
+                            else _positive_int(max_waiting, "max_waiting"))
         if combiner not in COMBINERS:
             raise ValueError(f"DynamicEmbedding: combiner={combiner!r}; use one of "
                              f"{COMBINERS}.")
@@ -107,7 +112,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         dynamic_hooks.track_slots(self.embeddings)
         with tf.init_scope():  # Keras may build inside a traced function
             self.remap = dynamic.Remap(self.capacity, _remap_devices(), self.min_count,
-                                       self.eviction, self.max_age, name=f"{self.name}_remap")
+                                       self.eviction, self.max_age, self.max_waiting,
+                                       name=f"{self.name}_remap")
         plan = getattr(tf.distribute.get_strategy(), "placement", None)
         if plan is not None:
             stats = weakref.WeakMethod(self.table_stats)
@@ -233,7 +239,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         config = super().get_config()
         config.update(output_dim=self.output_dim, capacity=self.capacity,
                       key_dtype=self.key_dtype, min_count=self.min_count,
-                      eviction=self.eviction, max_age=self.max_age, combiner=self.combiner,
+                      eviction=self.eviction, max_age=self.max_age,
+                      max_waiting=self.max_waiting, combiner=self.combiner,
                       pad_id=self.pad_id, seed=self.seed,
                       embeddings_initializer=_serializable(self.embeddings_initializer))
         return config

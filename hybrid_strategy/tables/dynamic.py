@@ -20,8 +20,8 @@ cross-replica context, before any replica looks a row up:
 3. an admitted id's row, and its optimizer slots, are reset (`reset(rows, keys)`),
    so an id evicted and admitted again starts from a fresh row;
 4. the same pass also evicts ids not seen for more than `max_age` steps (every
-   `max_age // 4 + 1` steps) and forgets the oldest ids waiting for admission when
-   they outnumber the capacity.
+   `max_age // 4 + 1` steps) and, when more than `max_waiting` ids wait for
+   admission, forgets the oldest of them, down to half.
 
 Every decision depends only on the multiset of the step's ids, never on how they
 were split over replicas, so N workers decide exactly what one device decides on
@@ -131,18 +131,20 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         min_count: Occurrences before an id is admitted (1: at first sight).
         policy: "lru" or "lfu": which rows go when rows run out.
         max_age: Steps without a sighting after which an id is evicted (None: never).
+        max_waiting: Ids kept waiting for admission at most (None: the capacity).
         headroom: Rows evicted beyond the shortfall, when rows run out (None:
             capacity // 8).
         name: A name for the state's variables.
     """
 
     def __init__(self, capacity, devices, min_count=1, policy="lru", max_age=None,
-                 headroom=None, name="remap"):
+                 max_waiting=None, headroom=None, name="remap"):
         self.capacity = int(capacity)
         self.devices = tuple(devices)
         self.min_count = int(min_count)
         self.policy = policy
         self.max_age = None if max_age is None else int(max_age)
+        self.max_waiting = self.capacity if max_waiting is None else int(max_waiting)
         self.headroom = max(0, self.capacity // 8 if headroom is None else int(headroom))
         # MutableHashTable: TensorFlow's DenseHashTable never reclaims the buckets
         # of erased keys (evicted ids), and lookups of absent ids then fail.
@@ -269,13 +271,13 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def _evict(self, step, shortfall):
         """The pass over every shard, when rows run short, ids age or waiting ids
-        outnumber the capacity; returns its op."""
+        outnumber `max_waiting`; returns its op."""
         due = shortfall > 0
         if self.max_age is not None:
             due |= tf.equal(step % (self.max_age // 4 + 1), 0)
         waiting = tf.reduce_sum([table.size() for table in self.shards]) - (
             self.capacity - self.num_free.read_value())
-        due |= waiting > self.capacity
+        due |= waiting > self.max_waiting
         return tf.cond(due, lambda: self._evict_now(step, shortfall), tf.no_op)
 
     def _evict_now(self, step, shortfall):
@@ -290,10 +292,11 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         needed = tf.maximum(needed - tf.reduce_sum(tf.cast(gone & admitted, tf.int64)), 0)
         first, second = (last, count) if self.policy == "lru" else (count, last)
         gone |= self._lowest(keys, admitted & (last < step) & ~gone, first, second, needed)
-        # Ids waiting for admission: the oldest go when they outnumber the capacity.
+        # Ids waiting for admission: the oldest go when they outnumber max_waiting.
         waiting = ~admitted & ~gone
-        excess = tf.reduce_sum(tf.cast(waiting, tf.int64)) - self.capacity // 2
-        excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.capacity, tf.int64)
+        excess = tf.reduce_sum(tf.cast(waiting, tf.int64)) - self.max_waiting // 2
+        excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.max_waiting,
+                          tf.int64)
         gone |= self._lowest(keys, waiting, last, count, excess)
         freed = tf.sort(tf.boolean_mask(row, gone & admitted))
         num_freed = tf.size(freed, out_type=tf.int64)
