@@ -301,7 +301,7 @@ def main(argv=None):
         return
     data = _data(args)
     report = {"command": "python -m benchmarks.dynamic_vocabulary " + " ".join(
-                  sys.argv[1:] if argv is None else argv),
+                  sys.argv[1:] if argv is None else argv).rstrip(),
               "machine": machine.describe(), "arguments": vars(args),
               "sizes": _sizes(data[0], args.capacity_fraction),
               "hidden_auc": raw_id_data.auc(data[1]["label"], data[1]["logit"]),

@@ -528,7 +528,9 @@ def readme(runs, images):
              "at the same memory, an offline vocabulary, a fixed table and TensorFlow "
              "Recommenders-Addons on raw ids (examples/s, AUC, collisions): "
              "[dynamic_vocabulary.md](dynamic_vocabulary.md), from `python -m "
-             "benchmarks.dynamic_vocabulary`; TensorFlow Recommenders-Addons alone: "
+             "benchmarks.dynamic_vocabulary`; the ps's memory under ids that never repeat: "
+             "[dynamic_memory.md](dynamic_memory.md), from `python -m "
+             "benchmarks.dynamic_memory`; TensorFlow Recommenders-Addons alone: "
              "[tfra_contender.md](tfra_contender.md), from `python -m "
              "benchmarks.tfra_contender`.",
              ""]
