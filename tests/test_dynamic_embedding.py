@@ -204,6 +204,32 @@ def test_an_evicted_id_comes_back_with_a_fresh_row_and_fresh_slots():
     assert np.abs(first).max() > 0
 
 
+def test_a_subclassed_model_trains_and_saves_its_tables(tmp_path):
+    DynamicEmbedding, _ = _layers()
+
+    class Tower(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.ids = DynamicEmbedding(4, capacity=8, min_count=2, combiner="mean")
+            self.out = keras.layers.Dense(1)
+
+        def call(self, inputs, training=None):
+            return self.out(self.ids(inputs, training=training))
+
+    model = Tower()
+    model.compile(optimizer="adagrad", loss="mse")
+    x = np.repeat(np.arange(12)[:, None] * 10**15, 2, axis=1)   # each row: one id twice
+    model.fit(x, np.ones((12, 1)), batch_size=4, epochs=2, verbose=0)
+    stats = model.ids.table_stats()
+    assert stats["admissions"] > 8 and stats["evictions"] > 0 and stats["steps"] == 6
+    path = str(tmp_path / "tower.weights.h5")
+    model.save_weights(path)
+    again = Tower()
+    again(x[:1])
+    again.load_weights(path)
+    np.testing.assert_array_equal(again.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path):
     DynamicEmbedding, dynamic = _layers()
 
