@@ -130,11 +130,7 @@ def main(argv=None):
     report = {"command": "python -m benchmarks.dynamic_memory " + " ".join(
                   sys.argv[1:] if argv is None else argv).rstrip(),
               "machine": machine.describe(), "arguments": vars(args), "results": results}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out.replace(".json", ".md"), "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+    machine.write_results(args.out, report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -312,11 +312,7 @@ def main(argv=None):
             run_cluster(args)
     if args.tfra:
         report["tfra"] = run_tfra(args)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out.replace(".json", ".md"), "w") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+    machine.write_results(args.out, report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
     timed = machine.alternate({"a": a, "b": b}, pids, calls=20, rounds=5)
 """
 
+import json
 import os
 import platform
 import subprocess
@@ -132,3 +133,12 @@ def code_version():
     paths = [line[3:] for line in (changed or "").splitlines()]
     return {"commit": git("rev-parse", "HEAD"),
             "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
+
+
+def write_results(out, report, markdown):
+    """Writes `report` to `out` (JSON) and `markdown` beside it (.md), and prints it."""
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    with open(out.replace(".json", ".md"), "w") as f:
+        f.write(markdown)
+    print(markdown)

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 import dynamic_scenario as scenario
 import optimizer_references as references
+from optimizer_scenario import path
 
 keras = tf.keras
 KERAS3 = hasattr(keras, "ops")
@@ -44,8 +45,8 @@ def _state(model, strategy):
         tables[name] = {str(k): [count, last] + ([] if row is None else [
             row.tolist(), [s.tolist() for s in slots]])
             for k, (count, last, row, slots) in scenario.per_id(layer).items()}
-    dense = {scenario.path(w): references.values(w).tolist() for w in model.weights
-             if scenario.path(w).split("/")[0] not in scenario.TABLES}
+    dense = {path(w): references.values(w).tolist() for w in model.weights
+             if path(w).split("/")[0] not in scenario.TABLES}
     return {"tables": tables, "dense": dense,
             "iterations": int(np.asarray(model.optimizer.iterations)),
             "num_ps": len(strategy.extended.ps_devices),

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import optimizer_references as references
+from optimizer_scenario import devices, path
 
 keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
@@ -69,21 +70,6 @@ def make_data():
     items[rng.random((n, 3)) < 0.3] = ""  # padding
     clicks = (rng.random((n, 1)) < 0.4).astype("float32")
     return (user, items.astype(bytes)), clicks
-
-
-def path(weight):
-    return getattr(weight, "path", None) or weight.name.split(":")[0]
-
-
-def raw(variable):
-    value = getattr(variable, "value", None)
-    return variable if value is None or callable(value) else value
-
-
-def devices(variable):
-    value = raw(variable)
-    parts = getattr(value, "shards", None) or getattr(value, "values", None)
-    return [p.device for p in parts] if parts else [value.device]
 
 
 def per_id(layer):
