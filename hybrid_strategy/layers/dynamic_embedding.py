@@ -21,11 +21,10 @@ import tensorflow as tf
 # TF-private: regroups the rows computed once for the global batch into each
 # replica's part, as merge_call's results are handed back.
 from tensorflow.python.distribute import distribute_utils
-# TF-private: tells that tf.saved_model.save is tracing the functions it exports.
-from tensorflow.python.saved_model import save_context
 
 from hybrid_strategy.keras_integration import dynamic_hooks
 from hybrid_strategy.tables import dynamic
+from hybrid_strategy.tables import table as table_lib
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 KEY_DTYPES = ("int64", "string")
@@ -126,7 +125,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         keys = dynamic.keys_of(ids)
         context = tf.distribute.get_replica_context()
         # A SavedModel's traces (tf_keras traces training calls too) only look up.
-        if training and context is not None and not save_context.in_save_context():
+        if training and context is not None and not table_lib.exporting():
             rows = context.merge_call(self._train_step, args=(keys,))
         else:
             rows = self.remap.lookup(keys)

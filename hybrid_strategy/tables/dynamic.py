@@ -43,8 +43,8 @@ import tensorflow as tf
 # distribution strategy's variable creator; the remap's bookkeeping lives on one
 # device and is written once per step, not mirrored.
 from tensorflow.python.ops import resource_variable_ops
-# TF-private: tells a SavedModel's save (which holds the shards) from a checkpoint's.
-from tensorflow.python.saved_model import save_context
+
+from hybrid_strategy.tables import table as table_lib
 
 POLICIES = ("lru", "lfu")
 # [row, count, last step] of a key the remap has not seen.
@@ -365,7 +365,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         return super()._trackable_children(save_type, **kwargs)
 
     def _serialize_to_tensors(self):
-        if save_context.in_save_context():  # a SavedModel: its shards save themselves
+        if table_lib.exporting():  # a SavedModel: its shards save themselves
             return {}
         return self._snapshot_tensors()
 

@@ -440,7 +440,9 @@ def tracing_for_export():
         _EXPORT_TRACING.depth -= 1
 
 
-def _tracing_for_export():
+def exporting():
+    """Whether a function is being traced for a SavedModel (`tf.saved_model.save`, Keras'
+    export, a `tracing_for_export` block): its reads and lookups must not change state."""
     if tf.executing_eagerly():
         return False
     return save_context.in_save_context() or getattr(_EXPORT_TRACING, "depth", 0) > 0
@@ -450,7 +452,7 @@ def _read_whole(table):
     """The whole table as one tensor; its gradient flows to the table's handle."""
     if table.rows_view is not None:
         return table.rows_view.read()
-    if _tracing_for_export():
+    if exporting():
         return gen_resource_variable_ops.read_variable_op(
             table.saving_variable.handle, table.dtype)
     with record.stop_recording():
@@ -492,7 +494,7 @@ def lookup_many(requests, name=None, checked=False):
     tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
     (`checked_ids`) already.
     """
-    exporting = _tracing_for_export()
+    for_export = exporting()
     with tf.name_scope(name or "hybrid_lookup"):
         distinct = []
         for table, ids in requests:
@@ -504,16 +506,16 @@ def lookup_many(requests, name=None, checked=False):
             unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
             if not (checked or _ids_checked_by_layer(table)):
                 unique_ids = _checked(unique_ids, table)
-            if not exporting:
+            if not for_export:
                 remember_gradient(unique_ids, table, distinct=True)
             distinct.append((table, ids, unique_ids, positions))
         with record.stop_recording():
             rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
-                                exporting)
+                                for_export)
             outputs = [tf.gather(r, positions) for r, (_, _, _, positions) in zip(rows, distinct)]
         results = []
         for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
-            if not exporting:  # a served function computes no gradient
+            if not for_export:  # a served function computes no gradient
                 record_gradient(table, out, _row_gradients(table, unique_ids, positions))
             results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
         return results
@@ -593,10 +595,10 @@ def checked_ids(ids, num_rows, what):
         return tf.identity(ids)
 
 
-def _gather_rows(requests, exporting=False):
+def _gather_rows(requests, for_export=False):
     """Rows for distinct ids of each `(table, unique ids)`: each shard gathers its own on
     its PS, every PS task in parallel, with one exchange per task (`_fetch`)."""
-    if exporting:
+    if for_export:
         return [gen_resource_variable_ops.resource_gather(
                     table.saving_variable.handle, unique_ids, dtype=table.dtype)
                 for table, unique_ids in requests]
