@@ -17,7 +17,6 @@ of ids the map holds. Results: benchmarks/results/dynamic_memory.json and .md.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -117,18 +116,9 @@ def main(argv=None):
     if args.chief:
         run_chief(args)
         return
-    spec = args.out + ".chief.json"
-    subprocess.run([sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps",
-                    "1", "--", sys.executable, "-m", "benchmarks.dynamic_memory",
-                    "--capacity", str(args.capacity), "--dim", str(args.dim), "--steps",
-                    str(args.steps), "--batch", str(args.batch), "--min-count",
-                    *map(str, args.min_count), "--chief", spec],
-                   check=True, env=machine.environment())
-    with open(spec) as f:
-        results = json.load(f)
-    os.remove(spec)
-    report = {"command": "python -m benchmarks.dynamic_memory " + " ".join(
-                  sys.argv[1:] if argv is None else argv).rstrip(),
+    argv = sys.argv[1:] if argv is None else argv
+    results = machine.run_as_chief("benchmarks.dynamic_memory", argv, args.out)
+    report = {"command": " ".join(["python -m benchmarks.dynamic_memory", *argv]),
               "machine": machine.describe(), "arguments": vars(args), "results": results}
     machine.write_results(args.out, report, markdown(report))
 

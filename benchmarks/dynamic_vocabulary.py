@@ -221,19 +221,8 @@ def run_chief(args):
         json.dump(results, f)
 
 
-def run_cluster(args):
-    spec = args.out + ".cluster.json"
-    command = [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps", "1",
-               "--", sys.executable, "-m", "benchmarks.dynamic_vocabulary",
-               "--examples", str(args.examples), "--batch", str(args.batch),
-               "--dim", str(args.dim), "--capacity-fraction", str(args.capacity_fraction),
-               "--chunks", str(args.chunks), "--target-auc", str(args.target_auc),
-               "--variants", *args.variants, "--chief", spec]
-    subprocess.run(command, check=True, env=machine.environment())
-    with open(spec) as f:
-        results = json.load(f)
-    os.remove(spec)
-    return results
+def run_cluster(args, argv):
+    return machine.run_as_chief("benchmarks.dynamic_vocabulary", argv, args.out)
 
 
 def run_tfra(args):
@@ -299,9 +288,9 @@ def main(argv=None):
     if args.chief:
         run_chief(args)
         return
+    argv = sys.argv[1:] if argv is None else argv
     data = _data(args)
-    report = {"command": "python -m benchmarks.dynamic_vocabulary " + " ".join(
-                  sys.argv[1:] if argv is None else argv).rstrip(),
+    report = {"command": " ".join(["python -m benchmarks.dynamic_vocabulary", *argv]),
               "machine": machine.describe(), "arguments": vars(args),
               "sizes": _sizes(data[0], args.capacity_fraction),
               "hidden_auc": raw_id_data.auc(data[1]["label"], data[1]["logit"]),
@@ -309,7 +298,7 @@ def main(argv=None):
     for where in args.where:
         print(f"{where}:", flush=True)
         report["results"][where] = run_local(args, data) if where == "local" else \
-            run_cluster(args)
+            run_cluster(args, argv)
     if args.tfra:
         report["tfra"] = run_tfra(args)
     machine.write_results(args.out, report, markdown(report))

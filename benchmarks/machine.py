@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,3 +143,17 @@ def write_results(out, report, markdown):
     with open(out.replace(".json", ".md"), "w") as f:
         f.write(markdown)
     print(markdown)
+
+
+def run_as_chief(module, argv, out, workers=1, ps=1):
+    """Runs `python -m module *argv --chief SPEC` as the chief of a local cluster
+    (`python -m hybrid_strategy.launch`) and returns the JSON it wrote to SPEC (beside
+    `out`, removed after)."""
+    spec = out + ".chief.json"
+    subprocess.run([sys.executable, "-m", "hybrid_strategy.launch", "--workers", str(workers),
+                    "--ps", str(ps), "--", sys.executable, "-m", module, *argv,
+                    "--chief", spec], check=True, env=environment())
+    with open(spec) as f:
+        results = json.load(f)
+    os.remove(spec)
+    return results
