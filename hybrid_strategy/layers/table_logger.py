@@ -33,6 +33,7 @@ class DynamicTableLogger(tf.keras.callbacks.Callback):
         self._at_epoch_start = {}
 
     def _tables(self):
+        # Keras-private, in Keras 3 and tf_keras alike: every layer, nested ones too.
         return [layer for layer in self.model._flatten_layers()
                 if isinstance(layer, DynamicEmbedding) and layer.built]
 
