@@ -48,6 +48,7 @@ def reset_rows(variable, rows, values):
 
 def _tf_variable(variable):
     """The TensorFlow variable (or PS table) a Keras 3 variable wraps; tf_keras' itself."""
+    # Keras-private: `_value` holds the backend variable (Keras 3 has no public scatter).
     return variable if isinstance(variable, tf.Variable) else variable._value
 
 
