@@ -54,6 +54,7 @@ MAX_PERIOD_US = 1_000_000
 # TensorFlow's inter-op pool runs whole ops, some of which block until others have run:
 # with one thread ParameterServerStrategy's steps never finish, so it keeps at least 2.
 MIN_INTER_OP_THREADS = 2
+THREAD_SIZINGS = ("share", "host")
 
 
 class CpuGroupError(RuntimeError):
@@ -72,6 +73,10 @@ def add_options(parser):
                        "machine's cores")
     group.add_argument("--quota-period-ms", type=float, default=DEFAULT_PERIOD_MS, metavar="MS",
                        help="CFS period of the machines' quotas (default 10)")
+    group.add_argument("--machine-threads", choices=THREAD_SIZINGS, default="share",
+                       help="TensorFlow thread pools of every task: sized for the machine's "
+                       "share (default) or left at TensorFlow's default, sized for this "
+                       "host's cores (to measure what sizing them changes)")
     group.add_argument("--colocate", action="store_true",
                        help="worker i and ps i share one machine (Parallax's layout); "
                        "default: one machine per task")
@@ -111,7 +116,8 @@ def forward(options):
     if getattr(options, "machine_cpus", None) is None:
         return []
     argv = ["--machine-cpus", f"{options.machine_cpus:g}",
-            "--quota-period-ms", f"{options.quota_period_ms:g}"]
+            "--quota-period-ms", f"{options.quota_period_ms:g}",
+            "--machine-threads", options.machine_threads]
     if options.colocate:
         argv.append("--colocate")
     if options.cgroup_root:
@@ -128,9 +134,12 @@ def threads(cpus):
     return max(1, math.ceil(cpus - 1e-9))
 
 
-def thread_environment(cpus):
+def thread_environment(cpus, sizing="share"):
     """The environment sizing a task's TensorFlow thread pools for a machine of `cpus`
-    cores: intra-op ceil(cpus), inter-op that but at least MIN_INTER_OP_THREADS."""
+    cores: intra-op ceil(cpus), inter-op that but at least MIN_INTER_OP_THREADS; nothing
+    with sizing "host" (TensorFlow's defaults, sized for this host's cores)."""
+    if sizing == "host":
+        return {}
     return {"TF_NUM_INTRAOP_THREADS": str(threads(cpus)),
             "TF_NUM_INTEROP_THREADS": str(max(MIN_INTER_OP_THREADS, threads(cpus)))}
 
@@ -154,13 +163,29 @@ def layout(tasks, colocate):
     return machines
 
 
-def label(cpus, colocate, period_ms=DEFAULT_PERIOD_MS):
+def label(cpus, colocate, period_ms=DEFAULT_PERIOD_MS, sizing="share"):
     """File-name part of a run with machines: "-cpu0.33", "-cpu0.33-colocated",
-    "-cpu0.33-period5ms" (a period other than the default)."""
+    "-cpu0.33-period5ms" (a period other than the default), "-cpu0.33-hostthreads"
+    (thread pools left at TensorFlow's defaults)."""
     if cpus is None:
         return ""
     return (f"-cpu{cpus:g}" + (f"-period{period_ms:g}ms" if period_ms != DEFAULT_PERIOD_MS
-                               else "") + ("-colocated" if colocate else ""))
+                               else "") + ("-hostthreads" if sizing == "host" else "")
+            + ("-colocated" if colocate else ""))
+
+
+def options_label(options):
+    """label() of a benchmark's parsed options."""
+    return label(options.machine_cpus, options.colocate, options.quota_period_ms,
+                 options.machine_threads)
+
+
+def machines_label(machines):
+    """label() of a results file's "machines" record (None: shared cores)."""
+    if not machines:
+        return ""
+    return label(machines["cpus"], machines["colocate"], machines["quota_period_ms"],
+                 machines.get("thread_sizing", "share"))
 
 
 def describe(options, groups):
@@ -173,7 +198,9 @@ def describe(options, groups):
             "layout": ("worker i and ps i on one machine (Parallax's layout), the chief "
                        "on its own" if options.colocate else "one machine per task"),
             "threads_per_task": threads(options.machine_cpus),  # intra-op
-            "thread_environment": thread_environment(options.machine_cpus),
+            "thread_sizing": options.machine_threads,
+            "thread_environment": thread_environment(options.machine_cpus,
+                                                     options.machine_threads),
             "cgroup": f"v{groups.version} {groups.root}"}
 
 
@@ -189,6 +216,8 @@ def summary(machines, nproc=None):
 
 
 def _threads_phrase(machines):
+    if machines.get("thread_sizing") == "host":
+        return "TensorFlow's defaults, sized for this host's cores"
     env = machines.get("thread_environment")
     if not env:
         return f"{machines['threads_per_task']} per pool"
@@ -305,6 +334,10 @@ class CpuGroups:
     def pids(self, machine):
         return group_pids(self.path(machine))
 
+    def stat(self, machine):
+        """read_stat() of the group of `machine`."""
+        return read_stat(self.path(machine))
+
     def joiner(self, machine):
         """A preexec_fn putting the forked child (and so all it runs) into the group."""
         procs = os.path.join(self.path(machine), "cgroup.procs")
@@ -336,6 +369,25 @@ def read_limits(path):
     with open(os.path.join(path, "cpu.cfs_period_us")) as f:
         period = int(f.read())
     return (None if quota < 0 else quota), period
+
+
+def read_stat(path):
+    """How often the group at `path` hit its quota: {"periods": periods with work,
+    "throttled": of those, periods it was stopped in, "throttled_us": time stopped}
+    (cpu.stat, v1 or v2); None where the kernel does not say."""
+    try:
+        with open(os.path.join(path, "cpu.stat")) as f:
+            fields = dict(line.split() for line in f if line.strip())
+    except (OSError, ValueError):
+        return None
+    if "throttled_usec" in fields:  # v2
+        throttled_us = int(fields["throttled_usec"])
+    elif "throttled_time" in fields:  # v1, in nanoseconds
+        throttled_us = int(fields["throttled_time"]) // 1000
+    else:
+        return None
+    return {"periods": int(fields.get("nr_periods", 0)),
+            "throttled": int(fields.get("nr_throttled", 0)), "throttled_us": throttled_us}
 
 
 def group_pids(path):

@@ -86,9 +86,8 @@ def title(run):
 
 
 def _machines_key(run):
-    """(cores, period ms, colocated) of a run's machines; None where tasks share cores."""
-    m = run.get("machines")
-    return (m["cpus"], m["quota_period_ms"], m["colocate"]) if m else None
+    """A run's machines as a plot groups them; None where tasks share cores."""
+    return cpu_groups.machines_label(run.get("machines")) or None
 
 
 def _machines_label(run):
@@ -97,6 +96,7 @@ def _machines_label(run):
     if not m:
         return ""
     return (f", machines of {m['cpus']:g} core ({m['quota_period_ms']:g} ms period"
+            + (", host-sized thread pools" if m.get("thread_sizing") == "host" else "")
             + (", worker i + ps i colocated)" if m["colocate"] else ")"))
 
 
@@ -188,8 +188,15 @@ def per_task_table(run):
 
 
 def _cpu_cell(entry):
+    """CPU ms per step, and on machines of their own how often the quota stopped the task's
+    machine ("6.1, throttled in 40% of periods, 3.2 ms/step")."""
     cpu = entry.get("cpu_ms_per_step")
-    return "n/a" if cpu is None else f"{cpu:.1f}"
+    if cpu is None:
+        return "n/a"
+    if "throttled_periods" not in entry:
+        return f"{cpu:.1f}"
+    return (f"{cpu:.1f} (throttled in {entry['throttled_periods']:.0%} of periods, "
+            f"{entry['throttled_ms_per_step']:.1f} ms/step)")
 
 
 def profile_sections(run):
@@ -385,8 +392,7 @@ def plot(runs, results_dir):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
         window = "" if (warmup, steps) == DEFAULT_WINDOW else f"-{warmup}-{steps}-steps"
-        cores = (cpu_groups.label(machines[0], machines[2], machines[1])
-                 if machines else "")
+        cores = machines or ""
         name = f"{_slug(model)}-throughput-{_slug(network)}{cores}{window}.png"
         fig.tight_layout()
         fig.savefig(os.path.join(results_dir, name), dpi=110)

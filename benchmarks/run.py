@@ -289,7 +289,8 @@ class ContenderRun:
             # Thread pools sized for the machine's share (cpu_groups.thread_environment);
             # the child joins its machine's group before it execs, so every thread it
             # starts runs under the quota.
-            threads = cpu_groups.thread_environment(self.options.machine_cpus)
+            threads = cpu_groups.thread_environment(self.options.machine_cpus,
+                                                    self.options.machine_threads)
             env = dict(env, **threads)
             machine = self.machine_of[task.name]
             join, die_with_us = self.groups.joiner(machine), preexec
@@ -464,6 +465,8 @@ class ContenderRun:
                              {name: by_pid.get(pid, {"tx_bytes": 0, "rx_bytes": 0})
                               for pid, name in pids.items()})
         sample["cpu"] = {t.name: cpu_seconds(t.process.pid) for t in self.tasks}
+        if self.groups is not None:
+            sample["quota"] = {m: self.groups.stat(m) for m in set(self.machine_of.values())}
         if phase == "end":
             self.rss = {t.name: vm_hwm_kib(t.process.pid) for t in self.tasks}
         self.samples[phase] = sample
@@ -493,6 +496,7 @@ class ContenderRun:
             cpu = [sample["cpu"].get(task.name) for sample in (start, end)]
             if None not in cpu:
                 entry["cpu_ms_per_step"] = (cpu[1] - cpu[0]) * 1000 / steps
+            entry.update(_throttling(self.machine_of.get(task.name), start, end, steps))
             for key, label in (("counters", "wire"), ("tcp", "tcp_payload")):
                 before = (start.get(key) or {}).get(task.name)
                 after = (end.get(key) or {}).get(task.name)
@@ -539,6 +543,19 @@ class ContenderRun:
         for task in self.tasks:
             if task.log is not None and not task.log.closed:
                 task.log.close()
+
+
+def _throttling(machine, start, end, steps):
+    """How often `machine`'s quota stopped it over the window: the fraction of its busy
+    periods, and ms stopped per step ({} without machines of their own)."""
+    stats = [(sample.get("quota") or {}).get(machine) for sample in (start, end)]
+    if machine is None or None in stats:
+        return {}
+    periods = stats[1]["periods"] - stats[0]["periods"]
+    return {"throttled_periods": ((stats[1]["throttled"] - stats[0]["throttled"]) / periods
+                                  if periods else 0.0),
+            "throttled_ms_per_step": (stats[1]["throttled_us"]
+                                      - stats[0]["throttled_us"]) / 1000 / steps}
 
 
 def _check_result(result, options, contender):
@@ -792,7 +809,7 @@ def run_model(options, model, mode, why, argv):
     run["wall_seconds"] = round(time.monotonic() - run_started, 1)
     network = ("loopback" if mode != "netns" else
                f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
-    cores = cpu_groups.label(options.machine_cpus, options.colocate, options.quota_period_ms)
+    cores = cpu_groups.options_label(options)
     path = options.json or os.path.join(
         RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}{cores}"
         f"{'-quick' if options.quick else ''}{'-profile' if options.profile else ''}.json")

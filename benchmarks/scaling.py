@@ -123,7 +123,7 @@ def rows_of(run, label=""):
 
 def _network(run):
     net, m = run["network"], run.get("machines")
-    cores = cpu_groups.label(m["cpus"], m["colocate"], m["quota_period_ms"]) if m else ""
+    cores = cpu_groups.machines_label(m)
     if net["mode"] != "netns":
         return "loopback" + cores
     return (f"netns-{net['link_gbit']:g}gbit" if net.get("link_gbit")
@@ -315,8 +315,7 @@ def parse(argv):
     # A label for the run files; each run records the network it really had.
     options.network = ("loopback" if options.loopback else
                        f"netns-{options.link_gbit:g}gbit" if options.link_gbit
-                       else "netns-nolimit") + cpu_groups.label(
-                           options.machine_cpus, options.colocate, options.quota_period_ms)
+                       else "netns-nolimit") + cpu_groups.options_label(options)
     return options
 
 

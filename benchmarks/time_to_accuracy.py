@@ -399,7 +399,7 @@ def run_model(options, model, mode, why, argv):
                f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
     path = options.json or os.path.join(
         RESULTS_DIR, f"{model}-w{options.workers}-p{options.ps}-{network}"
-        f"{cpu_groups.label(options.machine_cpus, options.colocate, options.quota_period_ms)}"
+        f"{cpu_groups.options_label(options)}"
         ".json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

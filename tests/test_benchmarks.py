@@ -510,6 +510,10 @@ def test_every_task_runs_in_its_machines_cpu_group_and_colocated_tasks_share_one
     assert run["machines"]["colocate"] is True
     hybrid = run["contenders"][1]
     assert hybrid["status"] == "ok" and hybrid["machines"]["ps0"] == "worker0+ps0"
+    # Every task says how often its machine's quota stopped it, read from its group.
+    for task, usage in hybrid["per_task"].items():
+        assert 0 <= usage["throttled_periods"] <= 1, (task, usage)
+        assert usage["throttled_ms_per_step"] >= 0, (task, usage)
     assert "machines of 0.75 core each (CFS quota 15 ms per 20 ms period; worker i and " \
         "ps i on one machine" in output
 
@@ -553,6 +557,22 @@ def test_machine_layout_and_thread_counts():
                                                 "TF_NUM_INTEROP_THREADS": "3"}
     assert cpu_groups.label(0.33, True) == "-cpu0.33-colocated"
     assert cpu_groups.label(0.5, False, 5) == "-cpu0.5-period5ms"
+    assert cpu_groups.thread_environment(0.33, "host") == {}  # TensorFlow's defaults
+    assert cpu_groups.label(0.5, False, 10, "host") == "-cpu0.5-hostthreads"
+
+
+def test_throttling_is_read_from_cpu_stat_of_either_cgroup_version(tmp_path):
+    from benchmarks import cpu_groups
+    (tmp_path / "cpu.stat").write_text(
+        "nr_periods 200\nnr_throttled 50\nthrottled_time 7000000\n")  # v1: ns
+    assert cpu_groups.read_stat(tmp_path) == {"periods": 200, "throttled": 50,
+                                              "throttled_us": 7000}
+    (tmp_path / "cpu.stat").write_text(
+        "usage_usec 9\nnr_periods 10\nnr_throttled 2\nthrottled_usec 300\n")  # v2
+    assert cpu_groups.read_stat(tmp_path) == {"periods": 10, "throttled": 2,
+                                              "throttled_us": 300}
+    (tmp_path / "cpu.stat").write_text("usage_usec 9\n")
+    assert cpu_groups.read_stat(tmp_path) is None
 
 
 def test_the_criteo_benchmark_model_has_criteo_examples_tables():
