@@ -13,6 +13,7 @@ model.fit(ids, np.ones((2, 1)), epochs=2, verbose=0)
 """
 
 import collections.abc
+import re
 import weakref
 
 import numpy as np
@@ -50,7 +51,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     Args:
         output_dim: Size of each vector.
-        capacity: Number of rows (ids held at once).
+        capacity: Number of rows (ids held at once), or the memory they may take on
+            the PS tasks as a string such as "256MiB" (units B, KB, MB, GB, KiB, MiB,
+            GiB): each row's float32 vector and its map entry, and the map entries of
+            up to `max_waiting` ids waiting for admission. Optimizer slots come on top,
+            a row's vector each (Adagrad one, Adam two); `layer.capacity` says the rows.
         key_dtype: "int64" (integer ids, any value) or "string".
         min_count: Sightings in training before an id gets a row (1: at once).
         eviction: "lru" or "lfu".
@@ -74,7 +79,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                  embeddings_initializer="uniform", seed=0, **kwargs):
         super().__init__(**kwargs)
         self.output_dim = _positive_int(output_dim, "output_dim")
-        self.capacity = _positive_int(capacity, "capacity")
+        self.max_waiting = (None if max_waiting is None
+                            else _positive_int(max_waiting, "max_waiting"))
+        self.capacity_given = capacity
+        self.capacity = (_rows_in(capacity, self.output_dim, self.max_waiting)
+                         if isinstance(capacity, str) else _positive_int(capacity, "capacity"))
         if key_dtype not in KEY_DTYPES:
             raise ValueError(f"DynamicEmbedding: key_dtype={key_dtype!r}; use one of "
                              f"{KEY_DTYPES}.")
@@ -85,8 +94,6 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                              f"{dynamic.POLICIES}.")
         self.eviction = eviction
         self.max_age = None if max_age is None else _positive_int(max_age, "max_age")
-        self.max_waiting = (None if max_waiting is None
-                            else _positive_int(max_waiting, "max_waiting"))
         if combiner not in COMBINERS:
             raise ValueError(f"DynamicEmbedding: combiner={combiner!r}; use one of "
                              f"{COMBINERS}.")
@@ -236,7 +243,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(output_dim=self.output_dim, capacity=self.capacity,
+        config.update(output_dim=self.output_dim, capacity=self.capacity_given,
                       key_dtype=self.key_dtype, min_count=self.min_count,
                       eviction=self.eviction, max_age=self.max_age,
                       max_waiting=self.max_waiting, combiner=self.combiner,
@@ -256,6 +263,34 @@ class _Without:
 
     def __getitem__(self, key):
         return self._store[key]
+
+
+# What an id's entry in a map shard (a MutableHashTable of int64 -> int64[3]) adds to a
+# ps's memory: 104-116 bytes measured at 1M and 200k entries.
+MAP_ENTRY_BYTES = 112
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _rows_in(budget, output_dim, max_waiting):
+    """The rows a capacity of `budget` bytes ("256MiB") holds: each a float32 vector and
+    a map entry, beside the entries of `max_waiting` waiting ids (None: as many as rows)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", budget, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"DynamicEmbedding: capacity={budget!r}; give a number of rows or "
+                         'a size such as "256MiB" (units B, KB, MB, GB, KiB, MiB, GiB).')
+    total = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    row = 4 * output_dim + MAP_ENTRY_BYTES
+    if max_waiting is None:
+        rows = total // (row + MAP_ENTRY_BYTES)
+    else:
+        rows = (total - max_waiting * MAP_ENTRY_BYTES) // row
+    if rows < 1:
+        raise ValueError(f"DynamicEmbedding: capacity={budget!r} holds no row of "
+                         f"{output_dim} floats ({row} bytes with its map entry"
+                         + (f", after {max_waiting} waiting ids' entries" if max_waiting
+                            else ", and as much for a waiting id's") + "); give more.")
+    return int(rows)
 
 
 def _positive_int(value, name):
