@@ -33,6 +33,7 @@ import glob
 import json
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -49,8 +50,19 @@ FIT_FROM_WORKERS = 2
 BEFORE_SUFFIX = "-before.json"
 
 
-def run_file(model, network, workers, steps_per_execution):
-    return os.path.join(RUNS_DIR, f"{model}-{network}-w{workers}-spe{steps_per_execution}.json")
+def run_file(model, network, workers, steps_per_execution, per_worker_batch=None):
+    batch = f"-b{per_worker_batch}" if per_worker_batch else ""
+    return os.path.join(RUNS_DIR, f"{model}-{network}-w{workers}-spe{steps_per_execution}"
+                        f"{batch}.json")
+
+
+def batch_of(path, run):
+    """How a kept run's batch was chosen, as its file name says ("-b128": 128 per worker,
+    the global batch growing with W), for the series it belongs to."""
+    match = re.search(r"-b(\d+)(?:-before)?\.json$", os.path.basename(path))
+    if match:
+        return f"{match.group(1)} per worker"
+    return f"global {run['config']['global_batch']}"
 
 
 def _round_up(value, multiple):
@@ -63,9 +75,11 @@ def run_all(options):
     for model in options.models:
         for n in options.steps_per_execution:
             for workers in options.workers:
-                path = run_file(model, options.network, workers, n)
+                path = run_file(model, options.network, workers, n, options.per_worker_batch)
                 argv = ["--model", model, "--contenders", options.contenders,
                         "--workers", str(workers), "--ps", str(options.ps),
+                        *(["--global-batch", str(options.per_worker_batch * workers)]
+                          if options.per_worker_batch else []),
                         "--steps", str(_round_up(options.steps, n)),
                         "--warmup", str(_round_up(options.warmup, n)),
                         "--steps-per-execution", str(n), "--json", os.path.relpath(path)]
@@ -89,9 +103,9 @@ def run_benchmark(tag, argv):
 # Summary ---------------------------------------------------------------------------
 
 
-def rows_of(run, label=""):
+def rows_of(run, label="", batch=None):
     """One row per successful contender of a benchmarks.run result (`label` after its
-    name: runs of earlier code kept for comparison)."""
+    name: runs of earlier code kept for comparison; `batch`: batch_of() its file)."""
     cfg = run["config"]
     workers = cfg["workers"]
     for c in run["contenders"]:
@@ -108,6 +122,10 @@ def rows_of(run, label=""):
             "steps_per_execution": cfg.get("steps_per_execution", 1),
             "workers": workers,
             "examples_per_s_per_worker": c["examples_per_s"] / workers,
+            "units_per_s": c.get("units_per_s", c["examples_per_s"]),
+            "unit": cfg.get("unit", "examples"),
+            "batch": batch or f"global {cfg['global_batch']}",
+            "machines": bool(run.get("machines")),
             "coordinator": coordinator,
             "coordinator_cpu_ms": cpu.get(coordinator),
             "worker_cpu_ms": [cpu[name] for name in sorted(cpu) if name.startswith("worker")],
@@ -151,12 +169,48 @@ def workers_within(line, step_ms):
 
 
 def series(rows):
-    """{(model, network, contender, N): rows sorted by W}."""
+    """{(model, network, contender, N, batch): rows sorted by W}."""
     out = {}
     for row in rows:
-        key = (row["model"], row["network"], row["contender"], row["steps_per_execution"])
+        key = (row["model"], row["network"], row["contender"], row["steps_per_execution"],
+               row["batch"])
         out.setdefault(key, []).append(row)
     return {k: sorted(v, key=lambda r: r["workers"]) for k, v in sorted(out.items())}
+
+
+def efficiency(points):
+    """Throughput at the largest W over W times the throughput at W = 1 (1.0: linear),
+    with that W; None without both ends."""
+    by_w = {r["workers"]: r["units_per_s"] for r in points}
+    if 1 not in by_w or len(by_w) < 2:
+        return None
+    top = max(by_w)
+    return by_w[top] / (top * by_w[1]), top
+
+
+def throughput_section(rows, images):
+    """Throughput against W on machines of their own (runs with --machine-cpus), as
+    Parallax plots it; [] without such runs."""
+    by_series = {k: v for k, v in series(rows).items() if v[0]["machines"]}
+    if not by_series:
+        return []
+    lines = ["## Throughput against the number of machines", "",
+             "Every task on an emulated machine of its own (a CPU quota, a rate-limited "
+             "link; benchmarks/cpu_groups.py), so W workers have W machines' CPU, not a "
+             "share of this host's. Efficiency at W: throughput at W over W times the "
+             "same contender's throughput at W = 1 (1.00 is the ideal line).", "",
+             "| model | machines | batch | contender | throughput at W = ... | "
+             "efficiency |", "|---|---|---|---|---|---:|"]
+    for (model, network, contender, _, batch), points in by_series.items():
+        unit = points[0]["unit"]
+        at = ", ".join(f"{r['workers']}: {r['units_per_s']:,.0f}" for r in points)
+        eff = efficiency(points)
+        lines.append(f"| {model} | {network} | {batch} | {contender} | {at} {unit}/s | "
+                     + ("n/a" if eff is None else f"{eff[0]:.2f} (W = {eff[1]})") + " |")
+    lines.append("")
+    for key, image in sorted(images.items()):
+        lines += [f"![throughput against workers, {key}]({image})", ""]
+    return lines
 
 
 def _ms(value):
@@ -175,13 +229,14 @@ def markdown(rows, images):
              "machine has 2 cores shared with other jobs, and every task of a cluster "
              "runs on them, so throughput per worker falls with W here by construction "
              "and is comparable only between runs made back to back.", ""]
+    lines += throughput_section(rows, images.get("throughput", {}))
     by_series = series(rows)
     lines += ["## Coordinator CPU per step against the number of workers", "",
               "| model | network | contender | steps/call | coordinator | CPU ms/step at "
               "W = ... | ms per worker (slope) | fixed ms | workers within "
               + " / ".join(f"{t} ms" for t in STEP_TIMES_MS) + " steps |",
               "|---|---|---|---:|---|---|---:|---:|---|"]
-    for (model, network, contender, n), points in by_series.items():
+    for (model, network, contender, n, _), points in by_series.items():
         line = fit_line([(r["workers"], r["coordinator_cpu_ms"]) for r in points
                          if r["workers"] >= FIT_FROM_WORKERS])
         at = ", ".join(f"{r['workers']}: {_ms(r['coordinator_cpu_ms'])}" for r in points)
@@ -198,20 +253,20 @@ def markdown(rows, images):
               "coordinator CPU time per step, on the fitted line, is at most T (the "
               "coordinator's own ceiling; the workers' compute and the network add to "
               "the step).", ""]
-    for key, image in sorted(images.items()):
+    for key, image in sorted(images.get("coordinator", {}).items()):
         lines += [f"![coordinator CPU per step, {key}]({image})", ""]
     lines += ["## Every run", "",
-              "| model | network | contender | steps/call | W | examples/s per worker | "
-              "median step ms | coordinator CPU ms/step | worker CPU ms/step (each) | "
+              "| model | network | batch | contender | steps/call | W | examples/s per "
+              "worker | median step ms | coordinator CPU ms/step | worker CPU ms/step (each) | "
               "ps CPU ms/step | worker bytes/step | lower bound | measured / bound |",
-              "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
+              "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     commands = []
-    for (model, network, contender, n), points in by_series.items():
+    for (model, network, contender, n, batch), points in by_series.items():
         for r in points:
             ratio = (r["worker_bytes"] / r["bound_bytes"]
                      if r["worker_bytes"] and r["bound_bytes"] else None)
             lines.append(
-                f"| {model} | {network} | {contender} | {n} | {r['workers']} | "
+                f"| {model} | {network} | {batch} | {contender} | {n} | {r['workers']} | "
                 f"{r['examples_per_s_per_worker']:,.0f} | {r['median_step_ms']:.1f} | "
                 f"{_ms(r['coordinator_cpu_ms'])} | "
                 f"{', '.join(_ms(v) for v in r['worker_cpu_ms'])} | "
@@ -226,7 +281,7 @@ def markdown(rows, images):
 
 
 def plot(rows, results_dir):
-    """Coordinator CPU ms per step against W, one figure per model and network."""
+    """{"coordinator": {...}, "throughput": {...}}: the figures drawn, by what they show."""
     try:
         import matplotlib  # pylint: disable=import-outside-toplevel
         matplotlib.use("Agg")
@@ -234,9 +289,50 @@ def plot(rows, results_dir):
     except ImportError:
         print("matplotlib not installed: no plots (pip install matplotlib)", file=sys.stderr)
         return {}
+    return {"coordinator": plot_coordinator(plt, rows, results_dir),
+            "throughput": plot_throughput(plt, rows, results_dir)}
+
+
+def plot_throughput(plt, rows, results_dir):
+    """Throughput against W with each contender's ideal (W times its own W = 1), one
+    figure per model, machines and batch; runs on machines of their own only."""
+    figures = {}
+    for (model, network, contender, _, batch), points in series(rows).items():
+        if points[0]["machines"]:
+            figures.setdefault((model, network, batch), []).append((contender, points))
+    images = {}
+    for (model, network, batch), lines in figures.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        workers = sorted({r["workers"] for _, pts in lines for r in pts})
+        for contender, points in lines:
+            drawn = ax.plot([r["workers"] for r in points], [r["units_per_s"] for r in points],
+                            marker="o", label=contender)
+            one = [r["units_per_s"] for r in points if r["workers"] == 1]
+            if one:
+                ax.plot(workers, [w * one[0] for w in workers], linestyle=":",
+                        color=drawn[0].get_color(), linewidth=1,
+                        label=f"{contender}, ideal (W x its W = 1)")
+        ax.set_xlabel("workers (W), each on a machine of its own")
+        ax.set_ylabel(f"{lines[0][1][0]['unit']}/s")
+        ax.set_title(f"{model}, {network}, batch {batch}: throughput vs machines",
+                     fontsize=10)
+        ax.set_xticks(workers)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        name = f"scaling-throughput-{model}-{network}-{batch.replace(' ', '-')}.png"
+        fig.savefig(os.path.join(results_dir, name), dpi=100)
+        plt.close(fig)
+        images[f"{model}, {network}, batch {batch}"] = name
+    return images
+
+
+def plot_coordinator(plt, rows, results_dir):
+    """Coordinator CPU ms per step against W, one figure per model and network."""
     images = {}
     figures = {}
-    for (model, network, contender, n), points in series(rows).items():
+    for (model, network, contender, n, _), points in series(rows).items():
         figures.setdefault((model, network), []).append((contender, n, points))
     for (model, network), lines in figures.items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -268,7 +364,7 @@ def summarize(results_dir=RESULTS_DIR, plots=True):
         label = ""
         if path.endswith(BEFORE_SUFFIX):
             label = f" (before, {run['code']['commit'][:7]})"
-        rows += list(rows_of(run, label))
+        rows += list(rows_of(run, label, batch_of(path, run)))
     if not rows:
         raise SystemExit(f"no runs in {os.path.join(results_dir, 'scaling')}")
     images = plot(rows, results_dir) if plots else {}
@@ -292,6 +388,9 @@ def parse(argv):
     parser.add_argument("--steps-per-execution", default="1",
                         help="comma-separated steps per call (Keras steps_per_execution)")
     parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--per-worker-batch", type=int, default=None, metavar="B",
+                        help="every worker's batch, the global batch W x B (as Parallax "
+                        "scales); default: the model's global batch, split over W")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--loopback", action="store_true")
@@ -312,6 +411,8 @@ def parse(argv):
         parser.error("--workers: at least one count, each at least 1")
     if not options.steps_per_execution or min(options.steps_per_execution) < 1:
         parser.error("--steps-per-execution: each at least 1")
+    if options.per_worker_batch is not None and options.per_worker_batch < 1:
+        parser.error("--per-worker-batch must be at least 1")
     # A label for the run files; each run records the network it really had.
     options.network = ("loopback" if options.loopback else
                        f"netns-{options.link_gbit:g}gbit" if options.link_gbit

@@ -363,14 +363,16 @@ def test_scaling_line_and_projection():
     assert scaling.workers_within({"slope": 0.0, "intercept": 1.0}, 50) is None
 
 
-def _scaling_run(workers, chief_ms, contender="hybrid"):
+def _scaling_run(workers, chief_ms, contender="hybrid", throughput=None, machines=None):
     tasks = {"chief": {"cpu_ms_per_step": chief_ms}} if contender == "hybrid" else {}
     tasks.update({f"worker{i}": {"cpu_ms_per_step": 10.0 + i} for i in range(workers)})
     return {"model": "text", "network": {"mode": "loopback"}, "command": f"cmd w{workers}",
-            "date": "d", "config": {"workers": workers, "steps_per_execution": 1},
+            "date": "d", "machines": machines,
+            "config": {"workers": workers, "steps_per_execution": 1, "global_batch": 256},
             "lower_bound": {"sent_plus_received": 1000.0},
             "contenders": [
-                {"contender": contender, "status": "ok", "examples_per_s": 100.0 * workers,
+                {"contender": contender, "status": "ok",
+                 "examples_per_s": throughput or 100.0 * workers,
                  "median_step_s": 0.01, "per_task": tasks,
                  "summary": {"worker_bytes_per_step_mean": 1500.0}},
                 {"contender": "mwms", "status": "failed"}]}
@@ -390,8 +392,27 @@ def test_scaling_summary_of_runs(tmp_path):
     assert "| text | loopback | hybrid | 1 | chief | 1: 3.0, 2: 5.0, 4: 9.0 | 2.00 | 1.0 | 4 / 24 / 49 / 99 |" in text
     # MultiWorkerMirroredStrategy has no chief: worker 0 stands for it (10 ms each).
     assert "| text | loopback | mwms | 1 | worker0 |" in text
-    assert "| text | loopback | hybrid | 1 | 4 | 100 | 10.0 | 9.0 | 10.0, 11.0, 12.0, 13.0 | - | 1.50 kB | 1.00 kB | 1.50 |" in text
+    assert "| text | loopback | global 256 | hybrid | 1 | 4 | 100 | 10.0 | 9.0 | 10.0, 11.0, 12.0, 13.0 | - | 1.50 kB | 1.00 kB | 1.50 |" in text
     assert "- `cmd w4`" in text
+    assert "Throughput against the number of machines" not in text  # shared cores only
+
+
+def test_scaling_on_machines_reports_throughput_against_the_ideal_line(tmp_path):
+    from benchmarks import scaling
+
+    runs = tmp_path / "scaling"
+    runs.mkdir()
+    machines = {"cpus": 0.2, "colocate": False, "quota_period_ms": 10}
+    for w, throughput in ((1, 100.0), (2, 190.0), (4, 360.0), (8, 640.0)):
+        name = os.path.basename(scaling.run_file("text", "loopback-cpu0.2", w, 1, 32))
+        (runs / name).write_text(json.dumps(_scaling_run(w, 3.0, throughput=throughput,
+                                                         machines=machines)))
+    text = open(scaling.summarize(str(tmp_path), plots=False)).read()
+    # 640 examples/s on 8 machines against 8 x 100 on one: 0.80 of the ideal line.
+    assert ("| text | loopback-cpu0.2 | 32 per worker | hybrid | 1: 100, 2: 190, 4: 360, "
+            "8: 640 examples/s | 0.80 (W = 8) |") in text
+    assert report.scaling_efficiency("text", results_dir=str(tmp_path)) == pytest.approx(0.8)
+    assert report.scaling_efficiency("lm", results_dir=str(tmp_path)) is None
 
 
 def _recommender_run(steps, hybrid, pss, date):
@@ -407,9 +428,28 @@ def test_targets_take_the_run_measured_longest():
     runs = [_recommender_run(1000, 55.0, 72.0, "2026-01-01"),
             _recommender_run(30, 45.0, 63.0, "2026-02-01")]
     rows = {name: value for name, value, _ in report.targets(runs)}
-    assert rows["recommender, 4 workers + 1 ps, 1 Gbit/s: hybrid >= 1x pss examples/s"] == (
-        f"{55.0 / 72.0:.2f}x")
+    assert rows["recommender, 4 workers + 1 ps, 1 Gbit/s, sharing this machine's cores: "
+                "hybrid against pss examples/s"] == f"{55.0 / 72.0:.2f}x"
     assert len({report._group_key(r) for r in runs}) == 2  # not drawn as one line
+
+
+def test_targets_on_machines_of_their_own_are_read_from_those_runs_only():
+    shared = _recommender_run(1000, 55.0, 72.0, "2026-01-01")
+    own = dict(_recommender_run(300, 90.0, 60.0, "2026-01-02"),
+               machines={"cpus": 0.33, "quota_period_ms": 10.0, "colocate": False})
+    colocated = dict(_recommender_run(300, 80.0, 100.0, "2026-01-03"),
+                     machines={"cpus": 0.4, "quota_period_ms": 10.0, "colocate": True})
+    colocated["config"] = dict(colocated["config"], ps=4)
+    rows = {name: (value, met) for name, value, met in
+            report.targets([shared, own, colocated])}
+    assert rows["recommender, 4 workers + 1 ps, 1 Gbit/s, machines of 0.33 core (10 ms "
+                "period): hybrid >= 1.5x pss examples/s"] == ("1.50x", True)
+    assert rows["recommender, 4 workers + 1 ps, 1 Gbit/s, sharing this machine's cores: "
+                "hybrid against pss examples/s"] == (f"{55.0 / 72.0:.2f}x", report.REPORTED)
+    assert rows["recommender, 4 machines of a worker and a ps each (Parallax's layout), "
+                "1 Gbit/s, machines of 0.4 core (10 ms period, worker i + ps i colocated): "
+                "hybrid ahead of every contender (pss), the least ratio of examples/s"] == (
+                    "0.80x", False)
 
 
 def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
