@@ -37,9 +37,14 @@ TABLES = ("user", "item")
 def cases():
     """name -> (optimizer factory, sparse_update)."""
     o = keras.optimizers
+    # Ftrl's slots do not start at zero (accumulators at 0.1): a fresh row's must restart
+    # at that; AdamW's decay reaches rows the step did not see, in exact mode.
     return {"sgd_momentum_exact": (lambda: o.SGD(0.3, momentum=0.5), "exact"),
             "adagrad": (lambda: o.Adagrad(0.3), "lazy"),
-            "adam_exact": (lambda: o.Adam(0.05, epsilon=1e-4), "exact")}
+            "adam_exact": (lambda: o.Adam(0.05, epsilon=1e-4), "exact"),
+            "adamw_exact": (lambda: o.AdamW(0.05, weight_decay=0.05, epsilon=1e-4), "exact"),
+            "ftrl_exact": (lambda: o.Ftrl(0.2, l1_regularization_strength=0.001,
+                                          l2_regularization_strength=0.001), "exact")}
 
 
 def build_model():
