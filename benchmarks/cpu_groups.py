@@ -54,7 +54,10 @@ MAX_PERIOD_US = 1_000_000
 # TensorFlow's inter-op pool runs whole ops, some of which block until others have run:
 # with one thread ParameterServerStrategy's steps never finish, so it keeps at least 2.
 MIN_INTER_OP_THREADS = 2
-THREAD_SIZINGS = ("share", "host")
+# share: pools sized here for the machine (TF_NUM_*_THREADS = ceil(C)); host: TensorFlow's
+# defaults everywhere (the variables at 0), sized for this host's cores; auto: neither, so
+# hybrid_strategy.server sizes its pools from its quota and the trainers keep the defaults.
+THREAD_SIZINGS = ("share", "host", "auto")
 
 
 class CpuGroupError(RuntimeError):
@@ -75,8 +78,9 @@ def add_options(parser):
                        help="CFS period of the machines' quotas (default 10)")
     group.add_argument("--machine-threads", choices=THREAD_SIZINGS, default="share",
                        help="TensorFlow thread pools of every task: sized for the machine's "
-                       "share (default) or left at TensorFlow's default, sized for this "
-                       "host's cores (to measure what sizing them changes)")
+                       "share (default); host: TensorFlow's defaults, sized for this host's "
+                       "cores; auto: HybridStrategy's servers size theirs from their quota, "
+                       "the trainers keep the defaults (to measure what sizing changes)")
     group.add_argument("--colocate", action="store_true",
                        help="worker i and ps i share one machine (Parallax's layout); "
                        "default: one machine per task")
@@ -136,9 +140,12 @@ def threads(cpus):
 
 def thread_environment(cpus, sizing="share"):
     """The environment sizing a task's TensorFlow thread pools for a machine of `cpus`
-    cores: intra-op ceil(cpus), inter-op that but at least MIN_INTER_OP_THREADS; nothing
-    with sizing "host" (TensorFlow's defaults, sized for this host's cores)."""
+    cores: intra-op ceil(cpus), inter-op that but at least MIN_INTER_OP_THREADS. With
+    sizing "host", both 0: TensorFlow's defaults, which hybrid_strategy.server keeps too
+    as the variables are set; "auto": nothing."""
     if sizing == "host":
+        return {"TF_NUM_INTRAOP_THREADS": "0", "TF_NUM_INTEROP_THREADS": "0"}
+    if sizing == "auto":
         return {}
     return {"TF_NUM_INTRAOP_THREADS": str(threads(cpus)),
             "TF_NUM_INTEROP_THREADS": str(max(MIN_INTER_OP_THREADS, threads(cpus)))}
@@ -166,11 +173,11 @@ def layout(tasks, colocate):
 def label(cpus, colocate, period_ms=DEFAULT_PERIOD_MS, sizing="share"):
     """File-name part of a run with machines: "-cpu0.33", "-cpu0.33-colocated",
     "-cpu0.33-period5ms" (a period other than the default), "-cpu0.33-hostthreads"
-    (thread pools left at TensorFlow's defaults)."""
+    (thread pools of another sizing than "share")."""
     if cpus is None:
         return ""
     return (f"-cpu{cpus:g}" + (f"-period{period_ms:g}ms" if period_ms != DEFAULT_PERIOD_MS
-                               else "") + ("-hostthreads" if sizing == "host" else "")
+                               else "") + (f"-{sizing}threads" if sizing != "share" else "")
             + ("-colocated" if colocate else ""))
 
 
@@ -218,6 +225,8 @@ def summary(machines, nproc=None):
 def _threads_phrase(machines):
     if machines.get("thread_sizing") == "host":
         return "TensorFlow's defaults, sized for this host's cores"
+    if machines.get("thread_sizing") == "auto":
+        return "servers sized from their quota, trainers TensorFlow's defaults"
     env = machines.get("thread_environment")
     if not env:
         return f"{machines['threads_per_task']} per pool"

@@ -10,7 +10,9 @@ busy that a machine of a third of a core does not have. This runs `python -m
 benchmarks.run` once per configuration, every configuration on the same cluster shape
 and link: tasks sharing the host's cores (no quota), then machines of `--machine-cpus`
 cores with every period of `--periods` and thread pools sized for the share, then the
-default period with TensorFlow's own thread pools (`--machine-threads host`). Runs are
+default period with TensorFlow's own thread pools (`--machine-threads host`) and with
+HybridStrategy's servers sizing theirs from their quota (`--machine-threads auto`, what a
+deployment under a CPU limit gets). Runs are
 kept under benchmarks/results/quota_study/; benchmarks/results/quota_study.md shows,
 per model, contender and configuration, throughput, each kind of task's CPU ms per step
 and how often its machine's quota stopped it.
@@ -31,6 +33,8 @@ RUNS_DIR = os.path.join(RESULTS_DIR, "quota_study")
 # (warm-up, measured) steps per model: long enough for many quota periods per window.
 WINDOWS = {"lm": (5, 50), "text": (10, 100)}
 DEFAULT_WINDOW = (50, 300)
+POOLS = {"share": "pools for the share", "host": "TensorFlow's default pools",
+         "auto": "servers' pools sized from their quota"}
 
 
 def configurations(options):
@@ -40,9 +44,9 @@ def configurations(options):
     for period in options.periods:
         configs.append((f"{cpus} core, {period:g} ms period, pools for the share",
                         ["--machine-cpus", cpus, "--quota-period-ms", f"{period:g}"]))
-    configs.append((f"{cpus} core, {cpu_groups.DEFAULT_PERIOD_MS:g} ms period, "
-                    "TensorFlow's default pools",
-                    ["--machine-cpus", cpus, "--machine-threads", "host"]))
+    for sizing in ("host", "auto"):
+        configs.append((f"{cpus} core, {cpu_groups.DEFAULT_PERIOD_MS:g} ms period, "
+                        + POOLS[sizing], ["--machine-cpus", cpus, "--machine-threads", sizing]))
     return configs
 
 
@@ -64,9 +68,8 @@ def describe(run):
     m = run.get("machines")
     if not m:
         return "shared cores"
-    pools = ("TensorFlow's default pools" if m.get("thread_sizing") == "host"
-             else "pools for the share")
-    return f"{m['cpus']:g} core, {m['quota_period_ms']:g} ms period, {pools}"
+    return (f"{m['cpus']:g} core, {m['quota_period_ms']:g} ms period, "
+            + POOLS[m.get("thread_sizing", "share")])
 
 
 def _mean(values):

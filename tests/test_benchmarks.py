@@ -597,8 +597,13 @@ def test_machine_layout_and_thread_counts():
                                                 "TF_NUM_INTEROP_THREADS": "3"}
     assert cpu_groups.label(0.33, True) == "-cpu0.33-colocated"
     assert cpu_groups.label(0.5, False, 5) == "-cpu0.5-period5ms"
-    assert cpu_groups.thread_environment(0.33, "host") == {}  # TensorFlow's defaults
+    # TensorFlow's defaults (0), which the servers keep as the variables are set; or
+    # nothing, and the servers size their pools from their quota.
+    assert cpu_groups.thread_environment(0.33, "host") == {"TF_NUM_INTRAOP_THREADS": "0",
+                                                           "TF_NUM_INTEROP_THREADS": "0"}
+    assert cpu_groups.thread_environment(0.33, "auto") == {}
     assert cpu_groups.label(0.5, False, 10, "host") == "-cpu0.5-hostthreads"
+    assert cpu_groups.label(0.5, True, 10, "auto") == "-cpu0.5-autothreads-colocated"
 
 
 def test_throttling_is_read_from_cpu_stat_of_either_cgroup_version(tmp_path):

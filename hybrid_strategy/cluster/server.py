@@ -20,6 +20,10 @@ restarted chief would find the ps tasks holding every table twice.
 (TensorFlow's default: less latency, idle cores busy) or sleep at once. By default they
 sleep when another task of the cluster has this task's host (a local cluster): the tasks
 then share its cores, and a synchronous step's waits would burn the CPU the others need.
+They also sleep under a CPU quota (a Kubernetes CPU limit, `docker --cpus`) below the
+host's cores, which spinning would spend; and the thread pools are then sized for the
+quota, not for the host's cores (cluster/cpu_quota.py), unless TF_NUM_INTRAOP_THREADS or
+TF_NUM_INTEROP_THREADS say otherwise.
 """
 import argparse
 import os
@@ -29,11 +33,13 @@ import sys
 import time
 
 from hybrid_strategy.cluster import config as cluster_lib
+from hybrid_strategy.cluster import cpu_quota
 
 _PREFIX = "hybrid_strategy.server:"
 _SERVED_JOBS = ("worker", "ps")
 EXIT_CANNOT_SERVE = 75  # EX_TEMPFAIL: the launcher retries with other ports
 _CHIEF_PROBE_INTERVAL = 0.5  # seconds between two probes of the chief
+_THREAD_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
 class Stop(BaseException):
@@ -76,18 +82,36 @@ def main(argv=None) -> int:
     # Installed before the slow TensorFlow import so that an early SIGTERM also exits cleanly.
     stopped = stop_on_signals()
     try:
+        quota = quota_below_cores()
         return _serve(config, stopped, options.chief_timeout, options.cpu_devices,
-                      thread_spinning(options.thread_spinning, config))
+                      thread_spinning(options.thread_spinning, config, quota), quota)
     except Stop:
         return 0
 
 
-def thread_spinning(choice: str, config: cluster_lib.ClusterConfig) -> bool:
+def thread_spinning(choice: str, config: cluster_lib.ClusterConfig,
+                    quota: float | None = None) -> bool:
     """Whether this task's idle TensorFlow threads spin: `choice` ("on", "off", or "auto":
-    not when another task of `config` has this task's host)."""
+    not when another task of `config` has this task's host, nor under a CPU `quota`)."""
     if choice == "auto":
-        return not config.shares_host(config.task_type, config.task_index)
+        return quota is None and not config.shares_host(config.task_type, config.task_index)
     return choice == "on"
+
+
+def quota_below_cores() -> float | None:
+    """This process's CPU quota in cores where it is less than the cores it may run on,
+    else None."""
+    quota = cpu_quota.cpu_quota()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return quota if quota is not None and quota < (cores or 1) else None
+
+
+def _pools_for(quota: float | None) -> tuple[int, int] | None:
+    """(intra-op, inter-op) threads for `quota`, or None: no quota, or the environment
+    sizes the pools itself (TensorFlow reads it where the session config leaves 0)."""
+    if quota is None or any(os.environ.get(name) for name in _THREAD_VARIABLES):
+        return None
+    return cpu_quota.pool_sizes(quota)
 
 
 def _task_config():
@@ -126,13 +150,17 @@ def stop_on_signals() -> int:
 
 
 def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float,
-           cpu_devices: int, spinning: bool) -> int:
+           cpu_devices: int, spinning: bool, quota: float | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     job, index = config.task_type, config.task_index
     session_config = tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices})
     session_config.experimental.disable_thread_spinning = not spinning
+    pools = _pools_for(quota)
+    if pools:
+        (session_config.intra_op_parallelism_threads,
+         session_config.inter_op_parallelism_threads) = pools
     try:
         server = tf.distribute.Server(
             tf.train.ClusterSpec(config.as_cluster_spec_dict()),
@@ -146,6 +174,9 @@ def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float
         return EXIT_CANNOT_SERVE
     devices = f" with {cpu_devices} CPU devices" if cpu_devices > 1 else ""
     idle = "" if spinning else "; idle threads sleep (--thread-spinning)"
+    if pools:
+        idle += (f"; for a CPU quota of {quota:.2g} core: {pools[0]} intra-op and "
+                 f"{pools[1]} inter-op threads")
     print(f"{_PREFIX} {config.device(job, index)} serving on {config.address(job, index)}"
           f"{devices}{idle}", file=sys.stderr, flush=True)
     # The server serves from its own threads while `server` keeps it referenced (deleting
