@@ -152,15 +152,17 @@ def stop_on_signals() -> int:
 def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float,
            cpu_devices: int, spinning: bool, quota: float | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
+    pools = _pools_for(quota)
+    if pools:
+        # Through the environment, not only the session config: the functions the chief
+        # runs here execute in the eager context it creates, whose pools take the chief's
+        # config (0: TensorFlow's default) and then these variables.
+        os.environ.update(dict(zip(_THREAD_VARIABLES, map(str, pools))))
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     job, index = config.task_type, config.task_index
     session_config = tf.compat.v1.ConfigProto(device_count={"CPU": cpu_devices})
     session_config.experimental.disable_thread_spinning = not spinning
-    pools = _pools_for(quota)
-    if pools:
-        (session_config.intra_op_parallelism_threads,
-         session_config.inter_op_parallelism_threads) = pools
     try:
         server = tf.distribute.Server(
             tf.train.ClusterSpec(config.as_cluster_spec_dict()),
