@@ -136,6 +136,17 @@ def code_version():
             "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
 
 
+def write_summary(results_dir, name, runs, render):
+    """Writes render(runs) to <results_dir>/<name>.md, a summary of the runs kept in
+    <results_dir>/<name>/ (SystemExit saying so if there are none); returns its path."""
+    if not runs:
+        raise SystemExit(f"no runs in {os.path.join(results_dir, name)}")
+    path = os.path.join(results_dir, f"{name}.md")
+    with open(path, "w") as f:
+        f.write(render(runs))
+    return path
+
+
 def write_results(out, report, markdown):
     """Writes `report` to `out` (JSON) and `markdown` beside it (.md), and prints it."""
     with open(out, "w") as f:

@@ -25,6 +25,7 @@ import os
 import sys
 
 from benchmarks import cpu_groups
+from benchmarks import machine
 from benchmarks import report
 from benchmarks import scaling
 
@@ -140,12 +141,7 @@ def summarize(results_dir=RESULTS_DIR):
                                       int(p.rsplit("-", 1)[1].split(".")[0]))):
         with open(path) as f:
             runs.append(json.load(f))
-    if not runs:
-        raise SystemExit(f"no runs in {os.path.join(results_dir, 'quota_study')}")
-    path = os.path.join(results_dir, "quota_study.md")
-    with open(path, "w") as f:
-        f.write(markdown(runs))
-    return path
+    return machine.write_summary(results_dir, "quota_study", runs, markdown)
 
 
 def parse(argv):

@@ -26,6 +26,7 @@ import os
 import re
 import sys
 
+from benchmarks import machine
 from benchmarks import scaling
 from benchmarks import trace_summary
 
@@ -164,12 +165,7 @@ def summarize(results_dir=RESULTS_DIR):
         row = row_of(run, label)
         if row is not None:
             rows.append(row)
-    if not rows:
-        raise SystemExit(f"no runs in {os.path.join(results_dir, 'replicas')}")
-    path = os.path.join(results_dir, "replicas.md")
-    with open(path, "w") as f:
-        f.write(markdown(rows))
-    return path
+    return machine.write_summary(results_dir, "replicas", rows, markdown)
 
 
 def parse_shape(text):

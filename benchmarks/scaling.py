@@ -38,6 +38,7 @@ import shlex
 import sys
 
 from benchmarks import cpu_groups
+from benchmarks import machine
 from benchmarks import report
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -97,7 +98,8 @@ def run_benchmark(tag, argv):
     """Runs `python -m benchmarks.run ARGV` in this process, saying so on stderr."""
     from benchmarks import run as run_lib  # pylint: disable=import-outside-toplevel
     print(f"[{tag}] python -m benchmarks.run {shlex.join(argv)}", file=sys.stderr, flush=True)
-    run_lib.main(argv)
+    if run_lib.main(argv) == run_lib.EXIT_INTERRUPTED:  # SIGINT/SIGTERM stop every run
+        raise SystemExit(run_lib.EXIT_INTERRUPTED)
 
 
 # Summary ---------------------------------------------------------------------------
@@ -317,14 +319,9 @@ def plot_throughput(plt, rows, results_dir):
         ax.set_title(f"{model}, {network}, batch {batch}: throughput vs machines",
                      fontsize=10)
         ax.set_xticks(workers)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
         name = f"scaling-throughput-{model}-{network}-{batch.replace(' ', '-')}.png"
-        fig.savefig(os.path.join(results_dir, name), dpi=100)
-        plt.close(fig)
-        images[f"{model}, {network}, batch {batch}"] = name
+        images[f"{model}, {network}, batch {batch}"] = _save(plt, fig, ax, results_dir, name)
     return images
 
 
@@ -345,15 +342,20 @@ def plot_coordinator(plt, rows, results_dir):
         ax.set_ylabel("coordinator CPU ms per step")
         ax.set_title(f"{model}, {network}: coordinator CPU per step")
         ax.set_xticks(sorted({r["workers"] for _, _, pts in lines for r in pts}))
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        name = f"scaling-{model}-{network}.png"
-        fig.savefig(os.path.join(results_dir, name), dpi=100)
-        plt.close(fig)
-        images[f"{model}, {network}"] = name
+        images[f"{model}, {network}"] = _save(plt, fig, ax, results_dir,
+                                              f"scaling-{model}-{network}.png")
     return images
+
+
+def _save(plt, fig, ax, results_dir, name):
+    """Finishes a figure against W (axis from 0, grid) and writes it; returns `name`."""
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, name), dpi=100)
+    plt.close(fig)
+    return name
 
 
 def summarize(results_dir=RESULTS_DIR, plots=True):
@@ -365,13 +367,9 @@ def summarize(results_dir=RESULTS_DIR, plots=True):
         if path.endswith(BEFORE_SUFFIX):
             label = f" (before, {run['code']['commit'][:7]})"
         rows += list(rows_of(run, label, batch_of(path, run)))
-    if not rows:
-        raise SystemExit(f"no runs in {os.path.join(results_dir, 'scaling')}")
-    images = plot(rows, results_dir) if plots else {}
-    path = os.path.join(results_dir, "scaling.md")
-    with open(path, "w") as f:
-        f.write(markdown(rows, images))
-    return path
+    return machine.write_summary(
+        results_dir, "scaling", rows,
+        lambda rows: markdown(rows, plot(rows, results_dir) if plots else {}))
 
 
 def _ints(text):

@@ -1,6 +1,7 @@
 """Makes the repository and tests/ importable, keeps TensorFlow's logs short, declares the
-markers (`cluster`, `oldest_keras`), and drops the background chief programs
-(tests/runs.py) no test is left to read."""
+markers (`cluster`, `oldest_keras`), gives tests this machine's CPU cgroups
+(`cpu_groups_here`), and drops the background chief programs (tests/runs.py) no test is
+left to read."""
 
 import os
 import sys
@@ -41,6 +42,20 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(part in item.nodeid for part in OLDEST_KERAS.get(item.path.name, ())):
             item.add_marker(pytest.mark.oldest_keras)
+
+
+@pytest.fixture
+def cpu_groups_here():
+    """benchmarks.cpu_groups' CpuGroups of one core, checked: where no CPU cgroup can be
+    written (a developer's machine, not root) the test is skipped; CI, which runs as root,
+    must have them: there it fails."""
+    from benchmarks import cpu_groups  # pylint: disable=import-outside-toplevel
+    try:
+        return cpu_groups.CpuGroups(1.0).check()
+    except cpu_groups.CpuGroupError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no writable CPU cgroups here: {e}")
 
 
 def pytest_sessionfinish():

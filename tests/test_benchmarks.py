@@ -462,17 +462,9 @@ def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
 # Machines of their own (CPU groups) ------------------------------------------------------
 
 
-def _cgroup_parent():
-    """A fresh CPU group of this test's own under the machine's cgroup root (the harness
-    makes its groups inside it). A developer's machine without writable cgroups (not root)
-    skips the test; CI, which runs as root, must make them: there it fails."""
-    from benchmarks import cpu_groups
-    try:
-        groups = cpu_groups.CpuGroups(1.0).check()
-    except cpu_groups.CpuGroupError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no writable CPU cgroups here: {e}")
+def _cgroup_parent(groups):
+    """A fresh CPU group of this test's own under the root of `groups` (the harness makes
+    its groups inside it)."""
     parent = os.path.join(groups.root, f"hsb-test-{os.urandom(2).hex()}")
     os.mkdir(parent)
     if groups.version == 2:  # children of a v2 group get the cpu controller from it
@@ -500,9 +492,10 @@ def _task_of(pid):
                            for pool in ("INTRAOP", "INTEROP")).decode()
 
 
-def test_every_task_runs_in_its_machines_cpu_group_and_colocated_tasks_share_one(tmp_path):
+def test_every_task_runs_in_its_machines_cpu_group_and_colocated_tasks_share_one(
+        tmp_path, cpu_groups_here):
     from benchmarks import cpu_groups
-    parent = _cgroup_parent()
+    parent = _cgroup_parent(cpu_groups_here)
     out = tmp_path / "machines.json"
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
     harness = subprocess.Popen(
