@@ -23,7 +23,8 @@ from benchmarks import trace_summary
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPORTED = "reported"  # a targets row that is a figure shown beside them, not a target
-ORDER = ("hybrid", "hybrid-bf16", "allreduce", "ps", "ps-async", "mwms", "pss", "single")
+ORDER = ("hybrid", "hybrid-bf16", "allreduce", "ps", "ps-async", "mwms", "pss", "horovod",
+         "single")
 
 
 # Formatting -----------------------------------------------------------------------
@@ -325,6 +326,10 @@ def targets(runs):
         add(f"{prefix} CPU time of all tasks per example, hybrid <= {cpu_bound:g}x single",
             _cpu_ratio(run, "hybrid", "single") if run else None, cpu_bound,
             lower_is_better=True)
+    floor = step_floor(4)
+    add("recommender, 4 workers + 1 ps, loopback: CPU time of all tasks for a synchronous "
+        "step with no model (the hybrid's transfers: rows and dense sum; "
+        "benchmarks.step_floor) against one process training the model", floor, None)
     for run in runs:
         hybrid = _ok(run, "hybrid")
         value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
@@ -351,6 +356,21 @@ def targets(runs):
             "under 10 minutes", run["wall_seconds"] / 60, 10.0, "{:.1f} min",
             lower_is_better=True)
     return rows
+
+
+def step_floor(workers, results_dir=None):
+    """benchmarks.step_floor's all-task CPU per step of its "sum" function at `workers`,
+    over one process's training the recommender; None if not measured."""
+    try:
+        with open(os.path.join(results_dir or RESULTS_DIR, "step_floor.json")) as f:
+            runs = json.load(f)["runs"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for run in runs:
+        if run.get("workers") == workers and "sum" in run.get("functions", {}):
+            single = sum(run["model"]["cpu_ms_per_step"]["single"].values())
+            return sum(run["functions"]["sum"]["cpu_ms_per_step"].values()) / single
+    return None
 
 
 def scaling_efficiency(model, contender="hybrid", results_dir=None):
@@ -582,6 +602,12 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "language model with 4 workers.",
              "- `mwms` and `pss` run under tf_keras (Keras 3 `fit` fails with "
              "MultiWorkerMirroredStrategy on TF 2.21 and has no ParameterServerStrategy).",
+             "- `horovod` is Horovod 0.28.1 with Gloo, under tf_keras (with Keras 3 its "
+             "DistributedOptimizer does not average across ranks), built from its sdist "
+             "with a one-line patch in a virtualenv of its own "
+             "(`benchmarks/horovod_contender.py`); its ranks are the workers, as `mwms`'s, "
+             "each reading its part of every global batch, and the loss it logs is rank "
+             "0's, over that part. Where the build fails the table says so.",
              "- **CPU ms/step**: user + system CPU time of each task's process over the "
              "measured window, divided by the measured steps. On one machine every task "
              "shares its cores, so a step lasts at least the tasks' total CPU time divided "
