@@ -398,21 +398,30 @@ def per_worker_input(strategy, arrays, global_batch):
     so that the input pipeline costs a worker its share only, as ParameterServerStrategy's
     `DatasetCreator` does.
     """
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from keras_examples import common  # pylint: disable=import-outside-toplevel
 
     def dataset_fn(context):
-        share = global_batch // context.num_input_pipelines
-        begin = context.input_pipeline_id * share
-
-        def part(array):
-            by_batch = array.reshape((-1, global_batch) + array.shape[1:])
-            return by_batch[:, begin:begin + share].reshape((-1,) + array.shape[1:])
-
-        return common.batched_dataset(tf.nest.map_structure(part, arrays), share,
-                                      repeat=True)
+        return common.batched_dataset(
+            worker_share(arrays, global_batch, context.input_pipeline_id,
+                         context.num_input_pipelines),
+            global_batch // context.num_input_pipelines, repeat=True)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def worker_share(arrays, global_batch, index, workers):
+    """Worker `index` of `workers`' part of `arrays` (numpy, any nesting): the `index`-th
+    of `workers` equal parts of every global batch of `global_batch` examples."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    share = global_batch // workers
+    begin = index * share
+
+    def part(array):
+        by_batch = array.reshape((-1, global_batch) + array.shape[1:])
+        return by_batch[:, begin:begin + share].reshape((-1,) + array.shape[1:])
+
+    return tf.nest.map_structure(part, arrays)
 
 
 def _is_number(value):
@@ -470,6 +479,16 @@ class Trainer:
             _adapt_for_tf_keras(self.module)
         self.asynchronous = base_of(contender) in ASYNCHRONOUS
 
+    @property
+    def strategy_name(self):
+        """What the results call the way this contender distributes training."""
+        return type(self.strategy).__name__
+
+    @property
+    def replicas(self):
+        """Replicas that train in sync (each on its part of every global batch)."""
+        return self.strategy.num_replicas_in_sync
+
     def build_model(self, seed=0, strategy=None):
         """The model, under `strategy` (default: the contender's), from `seed`."""
         keras = self.keras
@@ -511,11 +530,12 @@ class Trainer:
         return model.fit(data, verbose=0, shuffle=False, **fit_kwargs)
 
 
-def run(spec):
-    """Trains spec's model under spec's contender; writes the results JSON (task 0)."""
+def run(spec, trainer_class=Trainer):
+    """Trains spec's model under spec's contender, as `trainer_class` (a Trainer) does;
+    writes the results JSON (task 0)."""
     contender = spec["contender"]
     started = time.perf_counter()
-    trainer = Trainer(contender, spec["model"], spec.get("num_ps", 0))
+    trainer = trainer_class(contender, spec["model"], spec.get("num_ps", 0))
     keras, tf, strategy = trainer.keras, trainer.tf, trainer.strategy
     model_spec = trainer.model_spec
     batch = spec["global_batch"]
@@ -547,12 +567,12 @@ def run(spec):
         "model": spec["model"],
         "keras": trainer.keras_name,
         "tensorflow": tf.__version__,
-        "strategy": type(strategy).__name__,
+        "strategy": trainer.strategy_name,
         "architecture": HYBRID_ARCHITECTURES.get(base_of(contender)),
         "strategy_options": ({key: value for key, value in hybrid_options(contender).items()
                               if key != "architecture"}
                              if base_of(contender) in HYBRID_ARCHITECTURES else {}),
-        "replicas_in_sync": strategy.num_replicas_in_sync,
+        "replicas_in_sync": trainer.replicas,
         "global_batch": batch,
         "warmup_steps": warmup_steps,
         "steps": steps,

@@ -63,14 +63,20 @@ def _python(venv):
     return os.path.join(venv, "bin", "python")
 
 
-def _run_logged(command, tail):
-    """Runs `command`, printing its output as it comes and keeping its last lines in
-    `tail` (a deque); returns the exit code."""
-    print("$", shlex.join(command), flush=True)
+def run_logged(command, tail, env=None, out=None, width=None):
+    """Runs `command` (in `env`, default this process's), printing its output to `out`
+    (default stdout) as it comes, each line cut to `width` characters if given, and
+    keeping its last lines whole in `tail` (a deque); returns the exit code."""
+    out = out or sys.stdout
+    print("$", shlex.join(command), file=out, flush=True)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=dict(os.environ, PIP_PROGRESS_BAR="off"))
+                               text=True, env=dict(os.environ if env is None else env,
+                                                   PIP_PROGRESS_BAR="off"))
     for line in process.stdout:
-        print("  " + line.rstrip("\n"), flush=True)
+        shown = line.rstrip("\n")
+        if width and len(shown) > width:
+            shown = shown[:width] + " ..."
+        print("  " + shown, file=out, flush=True)
         if not line.startswith(("WARNING: Location", "Looking in")):  # pip's index notes
             tail.append(line.rstrip("\n"))
     return process.wait()
@@ -97,7 +103,7 @@ def ensure_venv(venv=VENV, packages=PACKAGES):
     started = time.monotonic()
     for command in steps:
         tail = collections.deque(maxlen=30)  # this command's last lines
-        code = _run_logged(command, tail)
+        code = run_logged(command, tail)
         if code != 0:
             return {"packages": list(packages),
                     "error": {"command": shlex.join(command), "exit_code": code,
