@@ -23,6 +23,9 @@ markers and this process's task name. Contenders:
              coordinator (chief); workers and ps run `python -m hybrid_strategy.server`
              (a `tf.distribute.Server`), as the other contenders' do.
              Keras 3 has no ParameterServerStrategy support.
+  horovod    tf_keras, Horovod 0.28.1 with Gloo (`hvd.DistributedOptimizer`): one such
+             process per worker, as mwms's, run by benchmarks/horovod_contender.py in a
+             virtualenv of its own, with this module's `run` and `Trainer`.
 
 The models come from keras_examples/ (`build_model`, `make_dataset`), with their own
 defaults. Input: `single` and `mwms` read the global batches of `make_dataset` (mwms
@@ -53,10 +56,10 @@ With "profile" in the spec, the trainer that writes the results traces every tas
 its cluster (or itself, for `single`) with the TensorFlow profiler from the start of the
 measured window, and adds benchmarks/trace_summary.py's per-step breakdown to the results.
 
-At each window boundary every process that trains (the chief, or every MWMS worker)
-writes `<sync_dir>/<phase>.<task>` and waits for `<sync_dir>/<phase>.go`, which the
-harness writes after it has read the network counters: nothing runs between the
-counters and the clock. Between them, it rewrites `<sync_dir>/step.<task>` (the number
+At each window boundary every process that trains (the chief, or every worker of mwms
+and horovod) writes `<sync_dir>/<phase>.<task>` and waits for `<sync_dir>/<phase>.go`,
+which the harness writes after it has read the network counters: nothing runs between
+the counters and the clock. Between them, it rewrites `<sync_dir>/step.<task>` (the number
 of the last step done) at most once a second, so that the harness tells a run whose
 steps stopped from a slow one.
 """
@@ -79,7 +82,9 @@ HYBRID_ARCHITECTURES = {"hybrid": "hybrid", "hybrid-bf16": "hybrid", "allreduce"
                         "ps": "ps", "ps-async": "ps"}
 # HybridStrategy options beyond the architecture, by contender.
 HYBRID_OPTIONS = {"hybrid-bf16": {"wire_dtype": "bfloat16"}, "ps-async": {"asynchronous": True}}
-LEGACY_KERAS = ("mwms", "pss")  # contenders that run under tf_keras
+LEGACY_KERAS = ("mwms", "pss", "horovod")  # contenders that run under tf_keras
+# Contenders whose every worker runs the training program, with no chief.
+WORKERS_TRAIN = ("mwms", "horovod")
 ASYNCHRONOUS = ("ps-async", "pss")  # each step runs on one worker, none waits for the others
 WITH_PS = ("hybrid", "hybrid-bf16", "ps", "ps-async", "pss")  # contenders whose cluster has ps tasks
 _HANDSHAKE_TIMEOUT = 300.0  # seconds a process waits for the harness at a boundary

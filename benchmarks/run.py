@@ -13,6 +13,11 @@ each contender runs):
   allreduce       chief + W workers (every variable mirrored: no ps needed)
   mwms            W workers, each training (tf_keras); TF_CONFIG has worker tasks only
   pss             chief (coordinator, tf_keras) + W workers + P ps
+  horovod         W workers, each a Horovod rank (tf_keras, Gloo), no horovodrun: each
+                  rank has the environment horovodrun would give it, and Horovod's
+                  rendezvous server runs in worker 0's namespace; Horovod's virtualenv is
+                  built once, before the first horovod run (benchmarks/horovod_contender.py;
+                  where that fails, horovod is reported not run, saying why)
   single          one process, no strategy
 
 Network: as root with `ip netns`, every task runs in its own network namespace joined to
@@ -67,6 +72,7 @@ import time
 
 from benchmarks import contenders as contenders_lib
 from benchmarks import cpu_groups
+from benchmarks import horovod_contender
 from benchmarks import machine as machine_lib
 from benchmarks import netem
 from benchmarks import report
@@ -75,8 +81,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 SCHEMA = 1
 PORT = 2222  # every task has its own namespace, so all can use the same port
-HOROVOD_NOTE = ("not run: Horovod 0.28.1 does not build against TF 2.21 without a source "
-                "patch (see DESIGN.md)")
 QUICK = {"steps": 10, "warmup": 3}
 PROFILE_ATTEMPTS = 3  # a profiled contender is run again when a task crashed
 _POLL = 0.005               # seconds between looks at the phase markers
@@ -221,7 +225,7 @@ def cluster_tasks(contender, workers, ps):
     """Task list of a contender's cluster: (name, job, index)."""
     if contender == "single":
         return [Task("chief", "chief", 0)]
-    tasks = [] if contender == "mwms" else [Task("chief", "chief", 0)]
+    tasks = [] if contender in contenders_lib.WORKERS_TRAIN else [Task("chief", "chief", 0)]
     tasks += [Task(f"worker{i}", "worker", i) for i in range(workers)]
     if contenders_lib.base_of(contender) in contenders_lib.WITH_PS:
         tasks += [Task(f"ps{i}", "ps", i) for i in range(ps)]
@@ -230,7 +234,7 @@ def cluster_tasks(contender, workers, ps):
 
 def trainers_of(contender, tasks):
     """Tasks that run the training program (and mark the window's boundaries)."""
-    if contender == "mwms":
+    if contender in contenders_lib.WORKERS_TRAIN:
         return [t for t in tasks if t.job == "worker"]
     return [t for t in tasks if t.job == "chief"]
 
@@ -379,8 +383,9 @@ class ContenderRun:
                                    + ", ".join(t.name for t in waiting))
             time.sleep(0.1)
 
-    # The training program: `python -m TRAINER SPEC.json`.
+    # The training program: `python -m TRAINER SPEC.json`, run by `python`.
     TRAINER = "benchmarks.contenders"
+    python = sys.executable
 
     def trainer_spec(self, task):
         """What the training program of `task` is told (SPEC.json)."""
@@ -402,12 +407,17 @@ class ContenderRun:
             spec_path = os.path.join(self.workdir, f"spec.{task.name}.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
-            extra = {}
-            if self.contender != "single":
-                extra["TF_CONFIG"] = self._tf_config(addresses, task)
-            if self.contender in contenders_lib.LEGACY_KERAS:
-                extra["TF_USE_LEGACY_KERAS"] = "1"
-            self._spawn(task, [sys.executable, "-m", self.TRAINER, spec_path], _environ(extra))
+            self._spawn(task, [self.python, "-m", self.TRAINER, spec_path],
+                        self.trainer_environment(task, addresses))
+
+    def trainer_environment(self, task, addresses):
+        """The environment of `task`'s training program."""
+        extra = {}
+        if self.contender != "single":
+            extra["TF_CONFIG"] = self._tf_config(addresses, task)
+        if self.contender in contenders_lib.LEGACY_KERAS:
+            extra["TF_USE_LEGACY_KERAS"] = "1"
+        return _environ(extra)
 
     def _follow(self, started):
         """Answers the phase markers and waits for the trainers; bounded by --timeout, and
@@ -545,6 +555,71 @@ class ContenderRun:
                 task.log.close()
 
 
+class HorovodRun(ContenderRun):
+    """The horovod contender: mwms's tasks, each rank benchmarks/horovod_contender.py run
+    by Horovod's virtualenv with the Gloo environment horovodrun would give it, and
+    Horovod's rendezvous server beside them, in worker 0's namespace (where its traffic,
+    all of it in `hvd.init()`, crosses worker 0's link before the measured window)."""
+
+    TRAINER = "benchmarks.horovod_contender"
+    python = horovod_contender.venv_python()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rendezvous = None  # the server's Task, not one of the cluster's
+        self.rendezvous_at = None  # (address, port)
+
+    def _start_servers(self, addresses):
+        first = self.trainers[0]
+        server = self.rendezvous = Task("rendezvous", "rendezvous", 0)
+        server.log = open(os.path.join(self.workdir, "rendezvous.log"), "w+")
+        argv = self._prefix(first) + [self.python, "-m", self.TRAINER, "--rendezvous",
+                                      ",".join(t.name for t in self.trainers)]
+        self.commands.append({"task": server.name, "argv": shlex.join(argv)})
+        server.process = subprocess.Popen(
+            argv, env=_environ(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=server.log,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_us())
+        deadline = time.monotonic() + _SERVER_START_TIMEOUT
+        while True:
+            server.log.seek(0)
+            port = horovod_contender.rendezvous_port(server.log.read())
+            if port is not None:
+                break
+            if server.process.poll() is not None:
+                raise RuntimeError(f"Horovod's rendezvous server exited with "
+                                   f"{server.process.returncode}:\n{server.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("Horovod's rendezvous server not serving after "
+                                   f"{_SERVER_START_TIMEOUT:.0f} s")
+            time.sleep(0.1)
+        self.rendezvous_at = (addresses[first.name].rsplit(":", 1)[0], port)
+
+    def trainer_environment(self, task, addresses):
+        interface = netem.TASK_IFNAME if self.net is not None else "lo"
+        gloo = horovod_contender.gloo_environment(
+            task.index, [t.name for t in self.trainers], *self.rendezvous_at, interface)
+        return _environ(dict(gloo, TF_USE_LEGACY_KERAS="1"))
+
+    def _spawn(self, task, argv, env):
+        super()._spawn(task, argv, env)
+        self.commands[-1]["horovod"] = {k: v for k, v in env.items()
+                                        if k.startswith("HOROVOD_")}
+
+    def _stop(self):
+        super()._stop()
+        server = self.rendezvous
+        if server is None:
+            return
+        if server.process.poll() is None:
+            server.process.terminate()
+            try:
+                server.process.wait(_STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait()
+        server.log.close()
+
+
 def _throttling(machine, start, end, steps):
     """How often `machine`'s quota stopped it over the window: the fraction of its busy
     periods, and ms stopped per step ({} without machines of their own)."""
@@ -638,8 +713,9 @@ def parse(argv):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run", description=__doc__.split("\n\n", 1)[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Contenders: " + ", ".join(contenders_lib.CONTENDERS)
-        + ". Horovod: " + HOROVOD_NOTE + ".")
+        epilog="Contenders: " + ", ".join(contenders_lib.CONTENDERS) + ", horovod (Horovod "
+        "0.28.1 in a virtualenv of its own, built on first use: "
+        "benchmarks/horovod_contender.py).")
     parser.add_argument("--model", default="recommender",
                         help=", ".join(contenders_lib.MODELS)
                         + " (comma-separated for several)")
@@ -791,7 +867,16 @@ def run_model(options, model, mode, why, argv):
         print(lower_bound.describe(run["lower_bound"]), file=sys.stderr, flush=True)
     workdir = tempfile.mkdtemp(prefix=f"hsb-{model}-")
     try:
-        attempts = {c: [] for c in options.contender_list if c != "horovod"}
+        attempts = {c: [] for c in options.contender_list}
+        if "horovod" in attempts:
+            venv = run["horovod_venv"] = dict(horovod_venv(options), path=(
+                horovod_contender.VENV.replace(os.path.expanduser("~"), "~", 1)))
+            if "error" in venv:
+                del attempts["horovod"]
+                run["not_run"].append({"contender": "horovod", "error": venv["error"],
+                                       "reason": horovod_contender.not_run_reason(venv)})
+                print(f"[{model}] horovod {run['not_run'][-1]['reason']}", file=sys.stderr,
+                      flush=True)
         # Rounds of every contender in turn, so that load from elsewhere on the machine
         # drifts over all of them alike.
         for round_index in range(options.repeats):
@@ -805,7 +890,6 @@ def run_model(options, model, mode, why, argv):
             print(f"[{model}] task logs kept in {workdir}", file=sys.stderr)
         else:
             _remove_tree(workdir)
-    run["not_run"].append({"contender": "horovod", "reason": HOROVOD_NOTE})
     run["wall_seconds"] = round(time.monotonic() - run_started, 1)
     network = ("loopback" if mode != "netns" else
                f"netns-{options.link_gbit:g}gbit" if options.link_gbit else "netns-nolimit")
@@ -819,6 +903,14 @@ def run_model(options, model, mode, why, argv):
     print(report.markdown(run))
     print(f"\nresults: {os.path.relpath(path)}", flush=True)
     return run
+
+
+def horovod_venv(options):
+    """Horovod's virtualenv record (benchmarks/horovod_contender.py), built or found once
+    per invocation."""
+    if getattr(options, "horovod_venv", None) is None:
+        options.horovod_venv = horovod_contender.ensure_venv()
+    return options.horovod_venv
 
 
 def median_of(results):
@@ -842,8 +934,8 @@ def run_contender(contender, options, mode, workdir, bound, model, round_index=0
     print(f"[{model}] {label} ...", file=sys.stderr, flush=True)
     attempts = PROFILE_ATTEMPTS if options.profile else 1
     for attempt in range(1, attempts + 1):
-        result = ContenderRun(contender, options, mode, workdir,
-                              f"{round_index}-{attempt}").run()
+        kind = HorovodRun if contender == "horovod" else ContenderRun
+        result = kind(contender, options, mode, workdir, f"{round_index}-{attempt}").run()
         if result["status"] == "ok" or attempt == attempts:
             break
         # TF 2.21's profiler now and then crashes the worker it traces.

@@ -618,3 +618,171 @@ def test_the_criteo_benchmark_model_has_criteo_examples_tables():
     from keras_examples import criteo
     assert contenders.CRITEO_TABLE_SIZES == criteo.DEFAULT_TABLE_SIZES
     assert contenders.MODELS["criteo"].build["num_dense"] == criteo.NUM_DENSE
+
+
+# Horovod (benchmarks/horovod_contender.py): no build, no process -----------------------
+
+
+def test_every_horovod_rank_gets_the_gloo_environment_horovodrun_would_give_it():
+    from benchmarks import horovod_contender
+
+    hosts = ["worker0", "worker1", "worker2"]
+    envs = [horovod_contender.gloo_environment(rank, hosts, "10.77.0.1", 4321, "eth0")
+            for rank in range(3)]
+    for rank, env in enumerate(envs):
+        # Every rank a host of its own with one slot, as horovodrun -H worker0:1,...
+        # plans them: ranks across hosts are the cross ranks.
+        assert env["HOROVOD_HOSTNAME"] == hosts[rank]
+        assert (env["HOROVOD_RANK"], env["HOROVOD_SIZE"]) == (str(rank), "3")
+        assert (env["HOROVOD_LOCAL_RANK"], env["HOROVOD_LOCAL_SIZE"]) == ("0", "1")
+        assert (env["HOROVOD_CROSS_RANK"], env["HOROVOD_CROSS_SIZE"]) == (str(rank), "3")
+        assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.77.0.1"
+        assert env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4321"
+        assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+        assert env["HOROVOD_GLOO_IFACE"] == "eth0"
+    # Only the rank-specific variables differ between ranks.
+    differing = {k for k in envs[0] if len({env[k] for env in envs}) > 1}
+    assert differing == {"HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_CROSS_RANK"}
+    assert horovod_contender.rendezvous_port("noise\nrendezvous serving on port 2345\n") == 2345
+    assert horovod_contender.rendezvous_port("starting") is None
+
+
+def test_horovod_ranks_are_the_workers_each_training_in_horovods_venv(tmp_path):
+    from benchmarks import horovod_contender
+    from benchmarks import run as run_lib
+
+    options = run_lib.parse(["--model", "lm", "--contenders", "hybrid,horovod",
+                             "--workers", "3", "--ps", "2", "--quick"])
+    options.model_name, options.global_batch = "lm", 128
+    horovod = run_lib.HorovodRun("horovod", options, "loopback", str(tmp_path))
+    # mwms's layout: no chief, no ps; every worker trains, worker 0 writes the results.
+    assert [t.name for t in horovod.tasks] == ["worker0", "worker1", "worker2"]
+    assert horovod.trainers == horovod.tasks and horovod.servers == []
+    assert [horovod.trainer_spec(t)["write_result"] for t in horovod.trainers] == \
+        [True, False, False]
+    assert horovod.python == horovod_contender.venv_python(horovod_contender.VENV)
+    assert horovod.TRAINER == "benchmarks.horovod_contender"
+    horovod.rendezvous_at = ("127.0.0.1", 4321)
+    env = horovod.trainer_environment(horovod.trainers[2], addresses={})
+    assert env["HOROVOD_RANK"] == "2" and env["HOROVOD_GLOO_IFACE"] == "lo"
+    assert env["TF_USE_LEGACY_KERAS"] == "1" and "TF_CONFIG" not in env
+    assert REPO in env["PYTHONPATH"].split(os.pathsep)  # the venv imports benchmarks
+    hybrid = run_lib.ContenderRun("hybrid", options, "loopback", str(tmp_path))
+    assert [t.name for t in hybrid.tasks] == ["chief", "worker0", "worker1", "worker2",
+                                              "ps0", "ps1"]
+
+
+def _fake_sdist(directory):
+    """A horovod-0.28.1.tar.gz holding the lines to patch as published."""
+    import tarfile
+
+    from benchmarks import horovod_contender
+
+    source = os.path.join(directory, "src", "horovod-0.28.1")
+    for patch in horovod_contender.PATCHES:
+        path = os.path.join(source, patch["file"])
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            f.write("// line\n" * (patch["line"] - 1) + "  " + patch["from"] + "\n// end\n")
+    with tarfile.open(os.path.join(directory, "horovod-0.28.1.tar.gz"), "w:gz") as archive:
+        archive.add(source, arcname="horovod-0.28.1")
+
+
+def test_a_failed_horovod_build_is_recorded_with_its_last_lines(tmp_path, monkeypatch):
+    from benchmarks import horovod_contender
+    from benchmarks import tfra_contender
+
+    commands = []
+
+    def run_logged(command, tail, env=None, out=None, width=None):
+        commands.append(command)
+        if "download" in command:
+            _fake_sdist(command[command.index("-d") + 1])
+        if "--no-build-isolation" in command:
+            # The build sees the sdist patched and Horovod's build flags.
+            for patch in horovod_contender.PATCHES:
+                with open(os.path.join(command[-1], patch["file"])) as f:
+                    lines = f.read().split("\n")
+                assert lines[patch["line"] - 1] == "  " + patch["to"]
+                assert lines[patch["line"]] == "// end"
+            assert env["HOROVOD_WITH_GLOO"] == "1" and env["HOROVOD_WITHOUT_MPI"] == "1"
+            tail.extend(["compiling", "xla_mpi_ops.cc:30: error: no such file | here",
+                         "error: subprocess-exited-with-error"])
+            return 1
+        return 0
+
+    monkeypatch.setattr(tfra_contender, "run_logged", run_logged)
+    venv = str(tmp_path / "venv")
+    record = horovod_contender.ensure_venv(venv, packages_=["tensorflow==2.21.0", "x"],
+                                           out=sys.stderr)
+    assert [c[3] if c[2] == "pip" else c[2] for c in commands] == \
+        ["venv", "install", "install", "download", "install"]
+    assert record["error"]["exit_code"] == 1
+    assert "--no-build-isolation" in record["error"]["command"]
+    assert record["error"]["last_lines"][-1] == "error: subprocess-exited-with-error"
+    assert not os.path.exists(os.path.join(venv, horovod_contender.INSTALLED))
+    reason = horovod_contender.not_run_reason(record)
+    assert reason.startswith("not run: building Horovod's virtualenv failed: `")
+    assert "exited 1: compiling / xla_mpi_ops.cc:30: error: no such file / here" in reason
+    assert "|" not in reason and "\n" not in reason  # one markdown table cell
+
+
+def test_without_horovods_venv_the_other_contenders_still_run(tmp_path, monkeypatch):
+    from benchmarks import horovod_contender
+    from benchmarks import run as run_lib
+
+    failed = {"packages": ["horovod==0.28.1"],
+              "error": {"command": "pip install horovod", "exit_code": 1,
+                        "last_lines": ["error: no compiler"]}}
+    builds, ran = [], []
+    monkeypatch.setattr(horovod_contender, "ensure_venv",
+                        lambda: builds.append(1) or failed)
+    monkeypatch.setattr(run_lib, "RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(run_lib, "compute_lower_bound", lambda *args: {"error": "skipped"})
+    monkeypatch.setattr(run_lib, "run_contender", lambda contender, *args: ran.append(
+        contender) or {"contender": contender, "status": "failed", "error": "not started"})
+    argv = ["--model", "lm,recommender", "--contenders", "horovod,single", "--quick"]
+    options = run_lib.parse(argv)
+    options.global_batch_arg = None
+    runs = {model: run_lib.run_model(options, model, "loopback", "test", argv)
+            for model in ("lm", "recommender")}
+    assert builds == [1]  # once per invocation
+    assert ran == ["single", "single"]
+    for run in runs.values():
+        assert run["not_run"] == [{"contender": "horovod", "error": failed["error"],
+                                   "reason": horovod_contender.not_run_reason(failed)}]
+        assert run["horovod_venv"]["error"] == failed["error"]
+        assert "| horovod | | not run: building Horovod's virtualenv failed: " \
+            "`pip install horovod` exited 1: error: no compiler |" in report.markdown(run)
+
+
+def test_an_sdist_unlike_the_published_one_is_refused_unpatched(tmp_path):
+    from benchmarks import horovod_contender
+
+    _fake_sdist(str(tmp_path))
+    source = tmp_path / "src" / "horovod-0.28.1"
+    first, second = horovod_contender.PATCHES[:2]
+    (source / second["file"]).write_text("// moved\n")
+    with pytest.raises(ValueError, match="gloo_context.cc:282 is 'past its end'"):
+        horovod_contender.patch_sdist(str(source))
+    assert "  " + first["from"] in (source / first["file"]).read_text()  # left as it was
+
+
+def test_horovods_venv_is_reused_while_its_record_names_the_same_build(tmp_path, monkeypatch):
+    from benchmarks import horovod_contender
+    from benchmarks import tfra_contender
+
+    commands = []
+    monkeypatch.setattr(tfra_contender, "run_logged",
+                        lambda command, *args, **kwargs: commands.append(command) or 1)
+    venv, packages = tmp_path / "venv", ["tensorflow==2.21.0", "horovod==0.28.1"]
+    venv.mkdir()
+    record = {"packages": packages, "build": horovod_contender._build(), "versions": {}}
+    (venv / horovod_contender.INSTALLED).write_text(json.dumps(record))
+    assert horovod_contender.ensure_venv(str(venv), packages, out=sys.stderr) == record
+    assert commands == []
+    # Another build (here: no patches) builds again.
+    record["build"]["patches"] = []
+    (venv / horovod_contender.INSTALLED).write_text(json.dumps(record))
+    assert "error" in horovod_contender.ensure_venv(str(venv), packages, out=sys.stderr)
+    assert commands[0][2:4] == ["venv", "--clear"]
