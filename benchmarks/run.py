@@ -89,6 +89,7 @@ _SERVER_START_TIMEOUT = 180.0
 _STOP_GRACE = 5.0
 _PR_SET_PDEATHSIG = 1
 _SERVING = re.compile(r"serving on")
+EXIT_INTERRUPTED = 130  # as a shell reports a command stopped by SIGINT
 
 
 class Interrupted(BaseException):
@@ -988,7 +989,7 @@ def main(argv=None):
     except Interrupted as e:
         print(f"interrupted ({e}); processes, namespaces and CPU groups removed",
               file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
