@@ -275,23 +275,32 @@ def targets(runs):
             met = value <= threshold if lower_is_better else value >= threshold
             rows.append((name, fmt.format(value), met))
 
-    def headline(model, ps=2, machines=None):
+    def headline(model, ps=2, machines=None, versus=None):
         """The full (not --quick) run on 4 workers + `ps` ps, 1 Gbit/s links, measured
-        longest: the most repeats, then the most measured steps."""
+        longest: the most repeats, then the most measured steps; with `versus`, of the
+        runs where it and the hybrid both finished."""
         found = [r for r in runs if r["model"] == model and _is_target_cluster(r, ps, machines)
-                 and not r.get("quick") and not r.get("profiled")]
+                 and not r.get("quick") and not r.get("profiled")
+                 and (versus is None or (_ok(r, "hybrid") and _ok(r, versus)))]
         return max(found, key=_measured_longest, default=None)
+
+    def versus(model, unit, other, threshold, machines=None, where=""):
+        """hybrid against `other` on 4 workers + 1 ps (`threshold` None: reported)."""
+        run = headline(model, ps=1, machines=machines, versus=other)
+        label = (_machines_label(run) if run and machines
+                 else where or ", machines of their own")
+        add(f"{model}, 4 workers + 1 ps, 1 Gbit/s{label}: hybrid "
+            + (f">= {threshold:g}x" if threshold else "against") + f" {other} {unit}",
+            _ratio(run, "hybrid", other) if run else None, threshold)
 
     # On machines of their own, where a cluster's tasks run side by side as on machines.
     for model, unit in (("recommender", "examples/s"), ("criteo", "examples/s"),
                         ("lm", "tokens/s")):
-        run = headline(model, ps=1, machines="own")
-        prefix = (f"{model}, 4 workers + 1 ps, 1 Gbit/s"
-                  + (_machines_label(run) if run else ", machines of their own") + ":")
-        add(f"{prefix} hybrid >= 1.5x pss {unit}", _ratio(run, "hybrid", "pss") if run else None,
-            1.5)
-        add(f"{prefix} hybrid >= 3x mwms {unit}",
-            _ratio(run, "hybrid", "mwms") if run else None, 3.0)
+        versus(model, unit, "pss", 1.5, machines="own")
+        versus(model, unit, "mwms", 3.0, machines="own")
+    for model, unit in (("lm", "tokens/s"), ("recommender", "examples/s")):
+        versus(model, unit, "horovod", None, machines="own")
+        versus(model, unit, "horovod", None, where=", sharing this machine's cores")
     for model, unit in (("lm", "tokens/s"), ("recommender", "examples/s")):
         run = headline(model, ps=4, machines="colocated")
         others = [c["contender"] for c in (run or {}).get("contenders", ())
@@ -317,13 +326,12 @@ def targets(runs):
     # targeted, on the recommender), the synchronous peer, and one process.
     for model, unit, cpu_bound, pss in (("recommender", "examples/s", 2.0, None),
                                         ("lm", "tokens/s", 1.15, 1.0)):
-        run = headline(model, ps=1)
-        prefix = f"{model}, 4 workers + 1 ps, 1 Gbit/s, sharing this machine's cores:"
-        add(f"{prefix} hybrid {'>= 1x' if pss else 'against'} pss {unit}",
-            _ratio(run, "hybrid", "pss") if run else None, pss)
-        add(f"{prefix} hybrid >= 3x mwms {unit}",
-            _ratio(run, "hybrid", "mwms") if run else None, 3.0)
-        add(f"{prefix} CPU time of all tasks per example, hybrid <= {cpu_bound:g}x single",
+        shared = ", sharing this machine's cores"
+        versus(model, unit, "pss", pss, where=shared)
+        versus(model, unit, "mwms", 3.0, where=shared)
+        run = headline(model, ps=1, versus="single")
+        add(f"{model}, 4 workers + 1 ps, 1 Gbit/s{shared}: CPU time of all tasks per "
+            f"example, hybrid <= {cpu_bound:g}x single",
             _cpu_ratio(run, "hybrid", "single") if run else None, cpu_bound,
             lower_is_better=True)
     floor = step_floor(4)
