@@ -29,6 +29,7 @@ import atexit
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ PREFIX = "hsb-"
 SUBNET = "10.77.0"  # a /24 used only inside this module's own namespaces
 BRIDGE = "hsb-br"
 TASK_IFNAME = "eth0"
+NETNS_DIR = "/var/run/netns"  # where `ip netns add` names its namespaces
 _IP_TIMEOUT = 20.0  # seconds any single ip/tc command may take
 
 
@@ -118,7 +120,14 @@ class Network:
         return f"p-{task}"[:15]
 
     def exec_prefix(self, task):
-        """argv prefix running a command in the task's namespace (it execs, same pid)."""
+        """argv prefix running a command in the task's namespace (it execs, same pid).
+
+        `nsenter` enters the network namespace alone, where util-linux has it: `ip netns
+        exec` also remounts /sys for the namespace, which hides the cgroup file system
+        under it, so a server could not read its CPU quota (hybrid_strategy.server sizes
+        its thread pools for it)."""
+        if shutil.which("nsenter"):
+            return ["nsenter", f"--net={NETNS_DIR}/{self.namespace(task)}", "--"]
         return ["ip", "netns", "exec", self.namespace(task)]
 
     @property
