@@ -312,7 +312,7 @@ def targets(runs):
             min(ratios) if ratios and None not in ratios else None, 1.0)
     lm_scaling = scaling_efficiency("lm")
     add("lm, 1 to 8 workers on machines of their own, batch fixed per worker: hybrid "
-        "scaling efficiency >= 0.8", lm_scaling, 0.8)
+        "scaling efficiency >= 0.8", lm_scaling, 0.8, "{:.2f}")
 
     lm, cnn = headline("lm"), headline("cnn")
     add("LM, 4 workers + 2 ps, 1 Gbit/s: hybrid >= 2x mwms tokens/s",
