@@ -266,7 +266,9 @@ def test_quick_run_of_single_and_hybrid_on_loopback(tmp_path):
     assert sum(task["cpu_ms_per_step"] for task in hybrid["per_task"].values()) > 0
     assert hybrid["bytes_source"].startswith("tcp_info")
     assert hybrid["summary"]["worker_bytes_per_step_mean"] > 0
-    assert "| hybrid |" in done.stdout and "horovod" in done.stdout
+    # Horovod is built and reported only when asked for (its virtualenv takes minutes).
+    assert "| hybrid |" in done.stdout and "horovod" not in done.stdout
+    assert run["not_run"] == []
 
 
 def test_a_trainer_without_a_step_past_the_stall_timeout_is_named(tmp_path):
