@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import cpu_groups
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -134,6 +136,24 @@ def code_version():
     paths = [line[3:] for line in (changed or "").splitlines()]
     return {"commit": git("rev-parse", "HEAD"),
             "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
+
+
+def run_then_summarize(prog, options, runs_dir, run_all, summarize, check=None):
+    """The main of a driver of many runs: unless --summary-only, `check()` (a
+    cpu_groups.CpuGroupError stops it before any run starts: exit 2) and `run_all(options)`,
+    its runs kept in `runs_dir`; then the summary `summarize()` writes, whose path it
+    prints. Returns the exit code."""
+    if not options.summary_only:
+        if check is not None:
+            try:
+                check()
+            except cpu_groups.CpuGroupError as e:
+                print(f"python -m {prog}: error: {e}", file=sys.stderr)
+                return 2
+        os.makedirs(runs_dir, exist_ok=True)
+        run_all(options)
+    print(f"wrote {os.path.relpath(summarize())}")
+    return 0
 
 
 def write_summary(results_dir, name, runs, render):

@@ -174,16 +174,9 @@ def parse(argv):
 
 def main(argv=None):
     options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.summary_only:
-        try:  # before any run starts
-            cpu_groups.CpuGroups(options.machine_cpus).check()
-        except cpu_groups.CpuGroupError as e:
-            print(f"python -m benchmarks.quota_study: error: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(RUNS_DIR, exist_ok=True)
-        run_all(options)
-    print(f"wrote {os.path.relpath(summarize())}")
-    return 0
+    return machine.run_then_summarize(
+        "benchmarks.quota_study", options, RUNS_DIR, run_all, summarize,
+        check=lambda: cpu_groups.CpuGroups(options.machine_cpus).check())
 
 
 if __name__ == "__main__":

@@ -208,11 +208,8 @@ def parse(argv):
 
 def main(argv=None):
     options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.summary_only:
-        os.makedirs(RUNS_DIR, exist_ok=True)
-        run_all(options)
-    print(f"wrote {os.path.relpath(summarize())}")
-    return 0
+    return machine.run_then_summarize("benchmarks.replicas", options, RUNS_DIR, run_all,
+                                      summarize)
 
 
 if __name__ == "__main__":

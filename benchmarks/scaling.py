@@ -420,17 +420,10 @@ def parse(argv):
 
 def main(argv=None):
     options = parse(sys.argv[1:] if argv is None else argv)
-    if not options.summary_only:
-        try:  # before any run starts
-            cpu_groups.from_options(options)
-        except cpu_groups.CpuGroupError as e:
-            print(f"python -m benchmarks.scaling: error: {e}", file=sys.stderr)
-            return 2
-        os.makedirs(RUNS_DIR, exist_ok=True)
-        run_all(options)
-    path = summarize(plots=not options.no_plots)
-    print(f"wrote {os.path.relpath(path)}")
-    return 0
+    return machine.run_then_summarize(
+        "benchmarks.scaling", options, RUNS_DIR, run_all,
+        lambda: summarize(plots=not options.no_plots),
+        check=lambda: cpu_groups.from_options(options))
 
 
 if __name__ == "__main__":
