@@ -13,6 +13,7 @@ model.fit(ids, np.ones((2, 1)), epochs=2, verbose=0)
 """
 
 import collections.abc
+import contextlib
 import re
 import weakref
 
@@ -132,16 +133,22 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         keys = dynamic.keys_of(ids)
         context = tf.distribute.get_replica_context()
         # A SavedModel's traces (tf_keras traces training calls too) only look up.
-        if training and context is not None and not table_lib.exporting():
+        training = training and context is not None and not table_lib.exporting()
+        if training:
             rows = context.merge_call(self._train_step, args=(keys,))
         else:
             rows = self.remap.lookup(keys)
-        found = tf.where(rows >= 0)
-        # Each row read once: its gradient then has each row once, its occurrences
-        # summed, as a dense gradient would (Keras' sparse optimizer steps would
-        # otherwise take repeated rows one by one).
-        distinct, position = tf.unique(tf.gather_nd(rows, found))
-        vectors = tf.gather(tf.nn.embedding_lookup(self.embeddings, distinct), position)
+        # Training makes the rows beside the map's first shard: they are looked up from
+        # there, so that they reach the table's shards without a round trip through the
+        # worker; only the rows' vectors cross to it.
+        with tf.device(self.remap.devices[0]) if training else contextlib.nullcontext():
+            found = tf.where(rows >= 0)
+            # Each row read once: its gradient then has each row once, its occurrences
+            # summed, as a dense gradient would (Keras' sparse optimizer steps would
+            # otherwise take repeated rows one by one).
+            distinct, position = tf.unique(tf.gather_nd(rows, found))
+            vectors = tf.nn.embedding_lookup(self.embeddings, distinct)
+        vectors = tf.gather(vectors, position)
         vectors = tf.scatter_nd(found, vectors, tf.stack(
             [tf.size(rows, out_type=tf.int64), self.output_dim]))
         return layout(tf.cast(vectors, self.compute_dtype))
