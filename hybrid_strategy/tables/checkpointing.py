@@ -86,6 +86,9 @@ def check_storage(file_prefix, tasks, mode):
                 # Reading the count back waits for the (asynchronous) remote write.
                 written = int(tf.size(tf.io.matching_files(probe)))
         except tf.errors.OpError as error:
+            # The probe's other op fails too; its error, left pending on the task, would
+            # surface in the caller's next call there instead of here.
+            tf.experimental.async_clear_error()
             raise CheckpointStorageError(
                 f"Task {task} cannot write the checkpoint directory {directory}: "
                 f"{error.message.splitlines()[0]}. {_STORAGE_ADVICE}") from None
