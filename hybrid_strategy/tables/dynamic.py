@@ -241,31 +241,27 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
     def _train(self, keys, reset):
         step = self.step.assign_add(1)
         distinct, position, count = tf.unique_with_counts(keys, out_idx=tf.int64)
-        order = tf.argsort(distinct, stable=True)
-        distinct = tf.gather(distinct, order)
-        count = tf.gather(count, order)
-        position = tf.gather(tf.math.invert_permutation(order), position)
-
         values = self._find(distinct)
         row = values[:, _ROW]
         count = values[:, _COUNT] + count
         steps = tf.fill(tf.shape(row), step)
         with tf.control_dependencies(self._write(distinct, tf.stack([row, count, steps], 1))):
-            wanting = (row < 0) & (count >= self.min_count)
-            shortfall = tf.reduce_sum(tf.cast(wanting, tf.int64)) - self.num_free.read_value()
+            wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
+            shortfall = tf.size(wanting, out_type=tf.int64) - self.num_free.read_value()
         with tf.control_dependencies([self._evict(step, shortfall)]):
             num_free = self.num_free.read_value()
-        rank = tf.cumsum(tf.cast(wanting, tf.int64), exclusive=True)
-        admitted = wanting & (rank < num_free)
-        num_admitted = tf.reduce_sum(tf.cast(admitted, tf.int64))
-        popped = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
+        # Rows go to waiting ids in ascending key order, so that who gets one, and which,
+        # depends on the step's ids and not on their order.
+        wanting = tf.gather(wanting, tf.argsort(tf.gather(distinct, wanting), stable=True))
+        num_admitted = tf.minimum(tf.size(wanting, out_type=tf.int64), num_free)
+        admitted = wanting[:num_admitted]
+        new_rows = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
         take = [self.num_free.assign_sub(num_admitted, read_value=False),
                 self.admissions.assign_add(num_admitted, read_value=False)]
-        new_keys = tf.boolean_mask(distinct, admitted)
-        new_rows = tf.gather(popped, tf.boolean_mask(rank, admitted))
-        row = tf.tensor_scatter_nd_update(row, tf.where(admitted), new_rows)
+        new_keys = tf.gather(distinct, admitted)
+        row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
         writes = self._write(new_keys, tf.stack(
-            [new_rows, tf.boolean_mask(count, admitted), tf.fill(tf.shape(new_rows), step)], 1))
+            [new_rows, tf.gather(count, admitted), tf.fill(tf.shape(new_rows), step)], 1))
         with tf.control_dependencies(take + writes + list(reset(new_rows, new_keys))):
             return tf.gather(row, position)
 
@@ -308,14 +304,26 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
-        """A mask of the `n` eligible entries lowest by (first, second, key)."""
-        order = tf.argsort(keys, stable=True)
-        order = tf.gather(order, tf.argsort(tf.gather(second, order), stable=True))
-        order = tf.gather(order, tf.argsort(tf.gather(first, order), stable=True))
-        ranked = tf.boolean_mask(order, tf.gather(eligible, order))
-        chosen = ranked[:tf.minimum(n, tf.size(ranked, out_type=tf.int64))]
-        return tf.scatter_nd(chosen[:, None], tf.ones_like(chosen, tf.bool),
-                             tf.shape(keys, out_type=tf.int32))
+        """A mask of the `n` eligible entries lowest by (first, second, key).
+
+        `first` and `second` are counts or step numbers (at least 0), compared up to
+        2**31 - 1: beyond it, entries tie and their keys decide.
+        """
+        def chosen():
+            index = tf.where(eligible)[:, 0]
+            index = tf.gather(index, tf.argsort(tf.gather(keys, index), stable=True))
+            cap = tf.constant(2**31 - 1, tf.int64)
+            packed = (tf.minimum(tf.gather(first, index), cap) * 2**32
+                      + tf.minimum(tf.gather(second, index), cap))
+            k = tf.minimum(n, tf.size(index, out_type=tf.int64))
+            # One partial sort; among equal values top_k takes the lower position first,
+            # which is the lower key.
+            return tf.gather(index, tf.math.top_k(-packed, k=tf.cast(k, tf.int32)).indices)
+
+        none = lambda: tf.zeros([0], tf.int64)
+        picked = tf.cond(n > 0, chosen, none)
+        return tf.scatter_nd(picked[:, None], tf.ones_like(picked, tf.bool),
+                             tf.shape(keys, out_type=tf.int64))
 
     # Snapshots -------------------------------------------------------------------
     #
