@@ -178,31 +178,36 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         else:
             ids = tf.convert_to_tensor(inputs)
         self._check_dtype(ids)
-        if not ragged and self.combiner is not None:
-            if ids.shape.rank != 2:
-                raise ValueError(f"DynamicEmbedding: combiner={self.combiner!r} combines "
-                                 f"the ids of each row of a 2-D input; got shape {ids.shape}.")
-            lengths = tf.fill(tf.shape(ids)[:1], tf.shape(ids)[1])
-            splits = tf.concat([[0], tf.cumsum(tf.cast(lengths, tf.int64))], 0)
+        if not ragged and self.combiner is not None and ids.shape.rank != 2:
+            raise ValueError(f"DynamicEmbedding: combiner={self.combiner!r} combines "
+                             f"the ids of each row of a 2-D input; got shape {ids.shape}.")
         shape = tf.shape(ids, out_type=tf.int64)
         flat = tf.reshape(ids, [-1])
-        kept = tf.ones_like(flat, tf.bool) if self.pad_id is None else tf.not_equal(
-            flat, tf.constant(self.pad_id, flat.dtype))
-        where = tf.where(kept)
-        flat = tf.gather_nd(flat, where)
         dim = self.output_dim
+        if self.pad_id is None:
+            kept, where = None, None
+        else:
+            kept = tf.not_equal(flat, tf.constant(self.pad_id, flat.dtype))
+            where = tf.where(kept)
+            flat = tf.gather_nd(flat, where)
 
         def layout(vectors):
-            every = tf.scatter_nd(where, vectors, tf.stack([tf.size(kept, tf.int64), dim]))
+            every = vectors if kept is None else tf.scatter_nd(
+                where, vectors, tf.stack([tf.size(kept, tf.int64), dim]))
             if self.combiner is None:
                 return tf.reshape(every, tf.concat([shape, [dim]], 0))
-            segments = tf.ragged.row_splits_to_segment_ids(splits)
-            num_rows = tf.size(splits, out_type=tf.int64) - 1
-            weights = tf.cast(kept, every.dtype)
-            total = tf.math.unsorted_segment_sum(every, segments, num_rows)
+            weights = tf.ones_like(every[:, 0]) if kept is None else tf.cast(kept, every.dtype)
+            if ragged:
+                segments = tf.ragged.row_splits_to_segment_ids(splits)
+                num_rows = tf.size(splits, out_type=tf.int64) - 1
+                total = tf.math.unsorted_segment_sum(every, segments, num_rows)
+                counts = tf.math.unsorted_segment_sum(weights, segments, num_rows)
+            else:  # [batch, ids]: a sum over the second axis, pads' vectors being zeros
+                total = tf.reduce_sum(tf.reshape(every, tf.stack([shape[0], shape[1], dim])), 1)
+                counts = tf.reduce_sum(tf.reshape(weights, shape), 1)
             if self.combiner == "sum":
                 return total
-            counts = tf.math.unsorted_segment_sum(weights, segments, num_rows)[:, None]
+            counts = counts[:, None]
             if self.combiner == "sqrtn":
                 counts = tf.sqrt(counts)
             return tf.math.divide_no_nan(total, counts)
