@@ -4,7 +4,7 @@ The model: a user table keyed by raw int64 ids (admitted at their second sightin
 least recently seen evicted first, capacity below the ids in the stream), an item
 table keyed by strings, multi-hot with padding and a mean combiner (least often seen
 evicted first, and every id unseen for 4 steps), and a dense tower. The stream brings
-new ids every step. Each case trains it with `model.fit` under HybridStrategy (the
+new ids every step; its last batch holds one example, so one worker's share is empty. Each case trains it with `model.fit` under HybridStrategy (the
 rows on the PS tasks, the id -> row maps split over them) and the same model on one
 device from the same weights on the same global batches, and reports, per table,
 whether both hold the same ids with the same counts and last steps, the relative
@@ -29,7 +29,7 @@ from optimizer_scenario import devices, path
 
 keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
-DIM, GLOBAL_BATCH, STEPS = 4, 24, 10
+DIM, GLOBAL_BATCH, STEPS = 4, 24, 11
 USER_CAPACITY, ITEM_CAPACITY = 40, 60
 TABLES = ("user", "item")
 
@@ -64,7 +64,7 @@ def build_model():
 
 def make_data():
     rng = np.random.default_rng(7)
-    n = GLOBAL_BATCH * STEPS
+    n = GLOBAL_BATCH * (STEPS - 1) + 1
     # Raw 64-bit ids, popular ones coming back, the set growing with time.
     universe = rng.integers(-2**62, 2**62, 400, dtype=np.int64)
     step = np.arange(n) // GLOBAL_BATCH
