@@ -54,8 +54,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         output_dim: Size of each vector.
         capacity: Number of rows (ids held at once), or the memory they may take on
             the PS tasks as a string such as "256MiB" (units B, KB, MB, GB, KiB, MiB,
-            GiB): each row's float32 vector and its map entry, and the map entries of
-            up to `max_waiting` ids waiting for admission. Optimizer slots come on top,
+            GiB): each row's float32 vector, its map entry and its 32-byte record,
+            and the map entries of up to `max_waiting` ids waiting for admission. Optimizer slots come on top,
             a row's vector each (Adagrad one, Adam two); `layer.capacity` says the rows.
         key_dtype: "int64" (integer ids, any value) or "string".
         min_count: Sightings in training before an id gets a row (1: at once).
@@ -280,26 +280,29 @@ class _Without:
 # What an id's entry in a map shard (a MutableHashTable of int64 -> int64[3]) adds to a
 # ps's memory: 104-116 bytes measured at 1M and 200k entries.
 MAP_ENTRY_BYTES = 112
+# A row's [key, count, last step] and its place in the stack of free rows, int64s.
+ROW_RECORD_BYTES = 32
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def _rows_in(budget, output_dim, max_waiting):
-    """The rows a capacity of `budget` bytes ("256MiB") holds: each a float32 vector and
-    a map entry, beside the entries of `max_waiting` waiting ids (None: as many as rows)."""
+    """The rows a capacity of `budget` bytes ("256MiB") holds: each a float32 vector, a
+    map entry and its record, beside the entries of `max_waiting` waiting ids (None: as
+    many as rows)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", budget, re.IGNORECASE)
     if not match:
         raise ValueError(f"DynamicEmbedding: capacity={budget!r}; give a number of rows or "
                          'a size such as "256MiB" (units B, KB, MB, GB, KiB, MiB, GiB).')
     total = float(match.group(1)) * _UNITS[match.group(2).upper()]
-    row = 4 * output_dim + MAP_ENTRY_BYTES
+    row = 4 * output_dim + MAP_ENTRY_BYTES + ROW_RECORD_BYTES
     if max_waiting is None:
         rows = total // (row + MAP_ENTRY_BYTES)
     else:
         rows = (total - max_waiting * MAP_ENTRY_BYTES) // row
     if rows < 1:
         raise ValueError(f"DynamicEmbedding: capacity={budget!r} holds no row of "
-                         f"{output_dim} floats ({row} bytes with its map entry"
+                         f"{output_dim} floats ({row} bytes with its map entry and record"
                          + (f", after {max_waiting} waiting ids' entries" if max_waiting
                             else ", and as much for a waiting id's") + "); give more.")
     return int(rows)

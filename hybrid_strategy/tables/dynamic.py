@@ -4,8 +4,10 @@ A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTabl
 on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
 `MutableHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
 one per PS task, on that task) from the id's key to `[row, count, last step]`, and,
-beside the first shard, a stack of free rows, the step counter and the totals of
-admissions and evictions.
+beside the first shard, each row's `[key, count, last step]` (last -1: a free row), a
+stack of free rows, the step counter and the totals of admissions and evictions. The
+rows' record lets the eviction pass choose among admitted ids without exporting the
+map, which it exports only when waiting ids may be forgotten.
 
 A training step (`Remap.train`) sees the global batch's ids once, in the
 cross-replica context, before any replica looks a row up:
@@ -13,15 +15,15 @@ cross-replica context, before any replica looks a row up:
 1. each distinct id's count grows by its occurrences and its last step becomes this
    step;
 2. ids not yet admitted whose count reached `min_count` are admitted, in ascending
-   key order, as long as rows are free; when too few are, a pass over every shard
-   evicts rows of ids not seen this step (by `policy`: the oldest last step first
+   key order, as long as rows are free; when too few are, a pass over the rows
+   evicts those of ids not seen this step (by `policy`: the oldest last step first
    for "lru", the smallest count first for "lfu"), `headroom` more than needed, so
    that the pass runs rarely; ids that still find no row wait for the next step;
 3. an admitted id's row, and its optimizer slots, are reset (`reset(rows, keys)`),
    so an id evicted and admitted again starts from a fresh row;
-4. the same pass also evicts ids not seen for more than `max_age` steps (every
-   `max_age // 4 + 1` steps) and, when more than `max_waiting` ids wait for
-   admission, forgets the oldest of them, down to half.
+4. with `max_age`, the pass also runs every `max_age // 4 + 1` steps and evicts
+   ids not seen for more than `max_age` steps, admitted or waiting; when more than
+   `max_waiting` ids wait for admission, it forgets the oldest of them, down to half.
 
 Every decision depends only on the multiset of the step's ids, never on how they
 were split over replicas, so N workers decide exactly what one device decides on
@@ -49,7 +51,8 @@ from hybrid_strategy.tables import table as table_lib
 POLICIES = ("lru", "lfu")
 # [row, count, last step] of a key the remap has not seen.
 _UNSEEN = (-1, 0, -1)
-_ROW, _COUNT, _LAST = 0, 1, 2
+_ROW, _COUNT, _LAST = 0, 1, 2  # of a map entry
+_KEY = 0  # of a row's record: [key, count, last]
 _STRING_BUCKETS = np.iinfo(np.int64).max
 
 
@@ -158,6 +161,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         # Rows are popped from the end: 0, 1, 2, ... first.
         self.free = _variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
                               f"{name}_free")
+        self.rows = _variable(tf.fill([self.capacity, 3], np.int64(-1)), home, f"{name}_rows")
         self.num_free = _variable(tf.constant(self.capacity, tf.int64), home,
                                   f"{name}_num_free")
         self.step = _variable(tf.constant(0, tf.int64), home, f"{name}_step")
@@ -245,7 +249,11 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         row = values[:, _ROW]
         count = values[:, _COUNT] + count
         steps = tf.fill(tf.shape(row), step)
-        with tf.control_dependencies(self._write(distinct, tf.stack([row, count, steps], 1))):
+        record = tf.stack([row, count, steps], 1)
+        held = tf.where(row >= 0)[:, 0]
+        seen = [self._note_rows(tf.gather(row, held), tf.gather(distinct, held),
+                                tf.gather(count, held), step)]
+        with tf.control_dependencies(self._write(distinct, record) + seen):
             wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
             shortfall = tf.size(wanting, out_type=tf.int64) - self.num_free.read_value()
         with tf.control_dependencies([self._evict(step, shortfall)]):
@@ -256,51 +264,74 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         num_admitted = tf.minimum(tf.size(wanting, out_type=tf.int64), num_free)
         admitted = wanting[:num_admitted]
         new_rows = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
-        take = [self.num_free.assign_sub(num_admitted, read_value=False),
-                self.admissions.assign_add(num_admitted, read_value=False)]
         new_keys = tf.gather(distinct, admitted)
+        new_counts = tf.gather(count, admitted)
+        take = [self.num_free.assign_sub(num_admitted, read_value=False),
+                self.admissions.assign_add(num_admitted, read_value=False),
+                self._note_rows(new_rows, new_keys, new_counts, step)]
         row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
         writes = self._write(new_keys, tf.stack(
-            [new_rows, tf.gather(count, admitted), tf.fill(tf.shape(new_rows), step)], 1))
+            [new_rows, new_counts, tf.fill(tf.shape(new_rows), step)], 1))
         with tf.control_dependencies(take + writes + list(reset(new_rows, new_keys))):
             return tf.gather(row, position)
 
+    def _note_rows(self, rows, keys, counts, step):
+        return self.rows.scatter_update(tf.IndexedSlices(
+            tf.stack([keys, counts, tf.fill(tf.shape(keys), step)], 1), rows))
+
     def _evict(self, step, shortfall):
-        """The pass over every shard, when rows run short, ids age or waiting ids
-        outnumber `max_waiting`; returns its op."""
-        due = shortfall > 0
-        if self.max_age is not None:
-            due |= tf.equal(step % (self.max_age // 4 + 1), 0)
+        """The pass over the rows when rows run short, ids age or waiting ids outnumber
+        `max_waiting`; returns its op. Waiting ids are only in the map: it is exported
+        when some of them may go (they age, or are too many)."""
         waiting = tf.reduce_sum([table.size() for table in self.shards]) - (
             self.capacity - self.num_free.read_value())
-        due |= waiting > self.max_waiting
-        return tf.cond(due, lambda: self._evict_now(step, shortfall), tf.no_op)
+        forget = waiting > self.max_waiting
+        due = (shortfall > 0) | forget
+        if self.max_age is not None:
+            aging = tf.equal(step % (self.max_age // 4 + 1), 0)
+            forget |= aging & (waiting > 0)
+            due |= aging
+        return tf.cond(due, lambda: self._evict_now(step, shortfall, forget), tf.no_op)
 
-    def _evict_now(self, step, shortfall):
-        keys, values = self.entries()
-        row, count, last = values[:, _ROW], values[:, _COUNT], values[:, _LAST]
-        admitted = row >= 0
+    def _evict_now(self, step, shortfall, forget):
+        rows = self.rows.read_value()
+        key, count, last = rows[:, _KEY], rows[:, _COUNT], rows[:, _LAST]
+        admitted = last >= 0
         gone = tf.zeros_like(admitted)
         if self.max_age is not None:
-            gone = last < step - self.max_age
+            gone = admitted & (last < step - self.max_age)
         # Rows of ids not seen this step, by policy, as many as the shortfall needs.
         needed = tf.maximum(shortfall + self.headroom, 0) * tf.cast(shortfall > 0, tf.int64)
-        needed = tf.maximum(needed - tf.reduce_sum(tf.cast(gone & admitted, tf.int64)), 0)
+        needed = tf.maximum(needed - tf.reduce_sum(tf.cast(gone, tf.int64)), 0)
         first, second = (last, count) if self.policy == "lru" else (count, last)
-        gone |= self._lowest(keys, admitted & (last < step) & ~gone, first, second, needed)
-        # Ids waiting for admission: the oldest go when they outnumber max_waiting.
-        waiting = ~admitted & ~gone
-        excess = tf.reduce_sum(tf.cast(waiting, tf.int64)) - self.max_waiting // 2
-        excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.max_waiting,
-                          tf.int64)
-        gone |= self._lowest(keys, waiting, last, count, excess)
-        freed = tf.sort(tf.boolean_mask(row, gone & admitted))
+        gone |= self._lowest(key, admitted & (last < step) & ~gone, first, second, needed)
+        freed = tf.where(gone)[:, 0]
         num_freed = tf.size(freed, out_type=tf.int64)
         num_free = self.num_free.read_value()
         ops = [self.free.scatter_update(tf.IndexedSlices(freed, num_free + tf.range(num_freed))),
                self.num_free.assign_add(num_freed, read_value=False),
-               self.evictions.assign_add(num_freed, read_value=False)]
-        return tf.group(ops + self._erase(tf.boolean_mask(keys, gone)))
+               self.evictions.assign_add(num_freed, read_value=False),
+               self.rows.scatter_update(tf.IndexedSlices(
+                   tf.fill(tf.stack([num_freed, 3]), np.int64(-1)), freed))]
+        ops += self._erase(tf.gather(key, freed))
+        ops.append(tf.cond(forget, lambda: self._forget_waiting(step), tf.no_op))
+        return tf.group(ops)
+
+    def _forget_waiting(self, step):
+        """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
+        outnumber `max_waiting`, down to half of it."""
+        keys, values = self.entries()
+        waiting = values[:, _ROW] < 0
+        count, last = values[:, _COUNT], values[:, _LAST]
+        gone = tf.zeros_like(waiting)
+        if self.max_age is not None:
+            gone = waiting & (last < step - self.max_age)
+        waiting &= ~gone
+        excess = tf.reduce_sum(tf.cast(waiting, tf.int64)) - self.max_waiting // 2
+        excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.max_waiting,
+                          tf.int64)
+        gone |= self._lowest(keys, waiting, last, count, excess)
+        return tf.group(self._erase(tf.boolean_mask(keys, gone)))
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
@@ -356,9 +387,15 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 message=f"The snapshot holds rows beyond this table's capacity "
                         f"{self.capacity}: restore it into a table of its capacity.")
             with tf.control_dependencies([fits]):
+                keys = tf.convert_to_tensor(snapshot["keys"], tf.int64)
                 with tf.control_dependencies(self._erase(self.entries()[0])):
-                    writes = self._write(tf.convert_to_tensor(snapshot["keys"], tf.int64),
-                                         values)
+                    writes = self._write(keys, values)
+                held = tf.where(values[:, _ROW] >= 0)[:, 0]
+                record = tf.stack([keys, values[:, _COUNT], values[:, _LAST]], 1)
+                writes.append(self.rows.assign(tf.tensor_scatter_nd_update(
+                    tf.fill([self.capacity, 3], np.int64(-1)),
+                    tf.gather(values[:, _ROW], held)[:, None], tf.gather(record, held)),
+                    read_value=False))
                 stack = tf.concat([free, tf.zeros([self.capacity - tf.size(free)], tf.int64)], 0)
                 writes += [self.free.assign(stack, read_value=False),
                            self.num_free.assign(tf.size(free, out_type=tf.int64),
