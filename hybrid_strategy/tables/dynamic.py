@@ -340,19 +340,23 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         `first` and `second` are counts or step numbers (at least 0), compared up to
         2**31 - 1: beyond it, entries tie and their keys decide.
         """
+        index = tf.where(eligible)[:, 0]
+        k = tf.minimum(n, tf.size(index, out_type=tf.int64))
+
         def chosen():
-            index = tf.where(eligible)[:, 0]
-            index = tf.gather(index, tf.argsort(tf.gather(keys, index), stable=True))
             cap = tf.constant(2**31 - 1, tf.int64)
             packed = (tf.minimum(tf.gather(first, index), cap) * 2**32
                       + tf.minimum(tf.gather(second, index), cap))
-            k = tf.minimum(n, tf.size(index, out_type=tf.int64))
-            # One partial sort; among equal values top_k takes the lower position first,
-            # which is the lower key.
-            return tf.gather(index, tf.math.top_k(-packed, k=tf.cast(k, tf.int32)).indices)
+            # A partial sort finds the k-th lowest value; keys decide only among the
+            # entries that share it.
+            lowest = tf.math.top_k(-packed, k=tf.cast(k, tf.int32), sorted=False).values
+            kth = -tf.reduce_min(lowest)
+            below = tf.boolean_mask(index, packed < kth)
+            tied = tf.boolean_mask(index, tf.equal(packed, kth))
+            tied = tf.gather(tied, tf.argsort(tf.gather(keys, tied), stable=True))
+            return tf.concat([below, tied[:k - tf.size(below, out_type=tf.int64)]], 0)
 
-        none = lambda: tf.zeros([0], tf.int64)
-        picked = tf.cond(n > 0, chosen, none)
+        picked = tf.cond(k > 0, chosen, lambda: tf.zeros([0], tf.int64))
         return tf.scatter_nd(picked[:, None], tf.ones_like(picked, tf.bool),
                              tf.shape(keys, out_type=tf.int64))
 
