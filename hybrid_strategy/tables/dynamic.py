@@ -161,7 +161,9 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         # Rows are popped from the end: 0, 1, 2, ... first.
         self.free = _variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
                               f"{name}_free")
-        self.rows = _variable(tf.fill([self.capacity, 3], np.int64(-1)), home, f"{name}_rows")
+        # One spare record at the end, written for ids without a row and never read.
+        self.rows = _variable(tf.fill([self.capacity + 1, 3], np.int64(-1)), home,
+                              f"{name}_rows")
         self.num_free = _variable(tf.constant(self.capacity, tf.int64), home,
                                   f"{name}_num_free")
         self.step = _variable(tf.constant(0, tf.int64), home, f"{name}_step")
@@ -247,43 +249,51 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         distinct, position, count = tf.unique_with_counts(keys, out_idx=tf.int64)
         values = self._find(distinct)
         row = values[:, _ROW]
+        new_to_map = tf.reduce_sum(tf.cast(tf.equal(values[:, _COUNT], 0), tf.int64))
         count = values[:, _COUNT] + count
         steps = tf.fill(tf.shape(row), step)
-        record = tf.stack([row, count, steps], 1)
-        held = tf.where(row >= 0)[:, 0]
-        seen = [self._note_rows(tf.gather(row, held), tf.gather(distinct, held),
-                                tf.gather(count, held), step)]
-        with tf.control_dependencies(self._write(distinct, record) + seen):
-            wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
+        # Rows held before this step: seen now, so never evicted by its pass.
+        seen = self._note_rows(row, distinct, count, step)
+        wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
+        with tf.control_dependencies([seen]):
             shortfall = tf.size(wanting, out_type=tf.int64) - self.num_free.read_value()
-        with tf.control_dependencies([self._evict(step, shortfall)]):
+        kept = self._evict(step, shortfall, new_to_map, distinct, tf.stack([row, count, steps], 1))
+        with tf.control_dependencies([kept]):
             num_free = self.num_free.read_value()
         # Rows go to waiting ids in ascending key order, so that who gets one, and which,
         # depends on the step's ids and not on their order.
         wanting = tf.gather(wanting, tf.argsort(tf.gather(distinct, wanting), stable=True))
         num_admitted = tf.minimum(tf.size(wanting, out_type=tf.int64), num_free)
         admitted = wanting[:num_admitted]
-        new_rows = tf.reverse(self.free[num_free - num_admitted:num_free], [0])
+        # The free stack's top, read without copying the stack.
+        new_rows = self.free.sparse_read(num_free - 1 - tf.range(num_admitted))
         new_keys = tf.gather(distinct, admitted)
-        new_counts = tf.gather(count, admitted)
         take = [self.num_free.assign_sub(num_admitted, read_value=False),
                 self.admissions.assign_add(num_admitted, read_value=False),
-                self._note_rows(new_rows, new_keys, new_counts, step)]
+                self._note_rows(new_rows, new_keys, tf.gather(count, admitted), step)]
         row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
-        writes = self._write(new_keys, tf.stack(
-            [new_rows, new_counts, tf.fill(tf.shape(new_rows), step)], 1))
+        # One write of the step's ids, their new rows among them; ids the pass forgot
+        # stay out of the map unless admitted.
+        written = kept | tf.scatter_nd(admitted[:, None], tf.ones_like(admitted, tf.bool),
+                                       tf.shape(distinct, out_type=tf.int64))
+        writes = self._write(tf.boolean_mask(distinct, written),
+                             tf.boolean_mask(tf.stack([row, count, steps], 1), written))
         with tf.control_dependencies(take + writes + list(reset(new_rows, new_keys))):
             return tf.gather(row, position)
 
     def _note_rows(self, rows, keys, counts, step):
+        """Writes the records of `rows`; rows -1 land in the spare last record."""
+        rows = tf.where(rows >= 0, rows, self.capacity)
         return self.rows.scatter_update(tf.IndexedSlices(
             tf.stack([keys, counts, tf.fill(tf.shape(keys), step)], 1), rows))
 
-    def _evict(self, step, shortfall):
+    def _evict(self, step, shortfall, new_to_map, distinct, record):
         """The pass over the rows when rows run short, ids age or waiting ids outnumber
-        `max_waiting`; returns its op. Waiting ids are only in the map: it is exported
-        when some of them may go (they age, or are too many)."""
-        waiting = tf.reduce_sum([table.size() for table in self.shards]) - (
+        `max_waiting`. Returns which of the step's `distinct` ids stay in the map (all
+        but those forgotten while waiting). Waiting ids are only in the map: it is
+        exported, with the step's `record` of its ids, when some of them may go (they
+        age, or are too many)."""
+        waiting = tf.reduce_sum([table.size() for table in self.shards]) + new_to_map - (
             self.capacity - self.num_free.read_value())
         forget = waiting > self.max_waiting
         due = (shortfall > 0) | forget
@@ -291,10 +301,13 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
             aging = tf.equal(step % (self.max_age // 4 + 1), 0)
             forget |= aging & (waiting > 0)
             due |= aging
-        return tf.cond(due, lambda: self._evict_now(step, shortfall, forget), tf.no_op)
+        every = lambda: tf.ones_like(distinct, tf.bool)
+        return tf.cond(
+            due, lambda: self._evict_now(step, shortfall, forget, every, lambda: (
+                self._forget_waiting(step, distinct, record))), every)
 
-    def _evict_now(self, step, shortfall, forget):
-        rows = self.rows.read_value()
+    def _evict_now(self, step, shortfall, forget, every, forget_waiting):
+        rows = self.rows.read_value()[:self.capacity]
         key, count, last = rows[:, _KEY], rows[:, _COUNT], rows[:, _LAST]
         admitted = last >= 0
         gone = tf.zeros_like(admitted)
@@ -314,13 +327,14 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                self.rows.scatter_update(tf.IndexedSlices(
                    tf.fill(tf.stack([num_freed, 3]), np.int64(-1)), freed))]
         ops += self._erase(tf.gather(key, freed))
-        ops.append(tf.cond(forget, lambda: self._forget_waiting(step), tf.no_op))
-        return tf.group(ops)
+        with tf.control_dependencies(ops):
+            return tf.cond(forget, forget_waiting, every)
 
-    def _forget_waiting(self, step):
+    def _forget_waiting(self, step, distinct, record):
         """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
-        outnumber `max_waiting`, down to half of it."""
-        keys, values = self.entries()
+        outnumber `max_waiting`, down to half of it; returns which of `distinct` stay."""
+        with tf.control_dependencies(self._write(distinct, record)):
+            keys, values = self.entries()
         waiting = values[:, _ROW] < 0
         count, last = values[:, _COUNT], values[:, _LAST]
         gone = tf.zeros_like(waiting)
@@ -331,7 +345,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.max_waiting,
                           tf.int64)
         gone |= self._lowest(keys, waiting, last, count, excess)
-        return tf.group(self._erase(tf.boolean_mask(keys, gone)))
+        with tf.control_dependencies(self._erase(tf.boolean_mask(keys, gone))):
+            return self._find(distinct)[:, _COUNT] > 0
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
@@ -397,7 +412,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 held = tf.where(values[:, _ROW] >= 0)[:, 0]
                 record = tf.stack([keys, values[:, _COUNT], values[:, _LAST]], 1)
                 writes.append(self.rows.assign(tf.tensor_scatter_nd_update(
-                    tf.fill([self.capacity, 3], np.int64(-1)),
+                    tf.fill([self.capacity + 1, 3], np.int64(-1)),
                     tf.gather(values[:, _ROW], held)[:, None], tf.gather(record, held)),
                     read_value=False))
                 stack = tf.concat([free, tf.zeros([self.capacity - tf.size(free)], tf.int64)], 0)
