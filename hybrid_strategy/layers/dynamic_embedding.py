@@ -129,7 +129,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        ids, layout = self._flat_ids(inputs)
+        ids, output = self._flat_ids(inputs)
         keys = dynamic.keys_of(ids)
         context = tf.distribute.get_replica_context()
         # A SavedModel's traces (tf_keras traces training calls too) only look up.
@@ -148,10 +148,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             # otherwise take repeated rows one by one).
             distinct, position = tf.unique(tf.gather_nd(rows, found))
             vectors = tf.nn.embedding_lookup(self.embeddings, distinct)
-        vectors = tf.gather(vectors, position)
-        vectors = tf.scatter_nd(found, vectors, tf.stack(
-            [tf.size(rows, out_type=tf.int64), self.output_dim]))
-        return layout(tf.cast(vectors, self.compute_dtype))
+        return output(found, tf.cast(tf.gather(vectors, position), self.compute_dtype))
 
     def _train_step(self, strategy, keys):
         """Admission and eviction for the global batch, once; each replica's rows."""
@@ -168,7 +165,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         return dynamic_hooks.reset_rows(self.embeddings, rows, values)
 
     def _flat_ids(self, inputs):
-        """(the ids to look up, flat; a function from their vectors to the output)."""
+        """(the ids to look up, flat; a function from the places of those with a row
+        among them, and their vectors, to the output)."""
         ragged = isinstance(inputs, tf.RaggedTensor)
         if ragged:
             if self.combiner is None or inputs.ragged_rank != 1:
@@ -184,6 +182,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         shape = tf.shape(ids, out_type=tf.int64)
         flat = tf.reshape(ids, [-1])
         dim = self.output_dim
+        num_ids = tf.size(flat, out_type=tf.int64)
         if self.pad_id is None:
             kept, where = None, None
         else:
@@ -191,9 +190,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             where = tf.where(kept)
             flat = tf.gather_nd(flat, where)
 
-        def layout(vectors):
-            every = vectors if kept is None else tf.scatter_nd(
-                where, vectors, tf.stack([tf.size(kept, tf.int64), dim]))
+        def output(found, vectors):
+            # One scatter puts each vector in its place among all the input's ids, zeros
+            # for ids without a row and for pads.
+            places = found if where is None else tf.gather_nd(where, found)
+            every = tf.scatter_nd(places, vectors, tf.stack([num_ids, dim]))
             if self.combiner is None:
                 return tf.reshape(every, tf.concat([shape, [dim]], 0))
             weights = tf.ones_like(every[:, 0]) if kept is None else tf.cast(kept, every.dtype)
@@ -212,7 +213,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                 counts = tf.sqrt(counts)
             return tf.math.divide_no_nan(total, counts)
 
-        return flat, layout
+        return flat, output
 
     def _check_dtype(self, ids):
         if self.key_dtype == "string" and ids.dtype != tf.string:
