@@ -55,8 +55,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         capacity: Number of rows (ids held at once), or the memory they may take on
             the PS tasks as a string such as "256MiB" (units B, KB, MB, GB, KiB, MiB,
             GiB): each row's float32 vector, its map entry and its 32-byte record,
-            and the map entries of up to `max_waiting` ids waiting for admission. Optimizer slots come on top,
-            a row's vector each (Adagrad one, Adam two); `layer.capacity` says the rows.
+            and the map entries of up to `max_waiting` ids waiting for admission.
+            Optimizer slots come on top, a row's vector each (Adagrad one, Adam two);
+            `layer.capacity` says the rows.
         key_dtype: "int64" (integer ids, any value) or "string".
         min_count: Sightings in training before an id gets a row (1: at once).
         eviction: "lru" or "lfu".
