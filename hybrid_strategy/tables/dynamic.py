@@ -301,12 +301,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
             aging = tf.equal(step % (self.max_age // 4 + 1), 0)
             forget |= aging & (waiting > 0)
             due |= aging
-        every = lambda: tf.ones_like(distinct, tf.bool)
-        return tf.cond(
-            due, lambda: self._evict_now(step, shortfall, forget, every, lambda: (
-                self._forget_waiting(step, distinct, record))), every)
+        return tf.cond(due, lambda: self._evict_now(step, shortfall, forget, distinct, record),
+                       lambda: tf.ones_like(distinct, tf.bool))
 
-    def _evict_now(self, step, shortfall, forget, every, forget_waiting):
+    def _evict_now(self, step, shortfall, forget, distinct, record):
         rows = self.rows.read_value()[:self.capacity]
         key, count, last = rows[:, _KEY], rows[:, _COUNT], rows[:, _LAST]
         admitted = last >= 0
@@ -328,7 +326,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                    tf.fill(tf.stack([num_freed, 3]), np.int64(-1)), freed))]
         ops += self._erase(tf.gather(key, freed))
         with tf.control_dependencies(ops):
-            return tf.cond(forget, forget_waiting, every)
+            return tf.cond(forget, lambda: self._forget_waiting(step, distinct, record),
+                           lambda: tf.ones_like(distinct, tf.bool))
 
     def _forget_waiting(self, step, distinct, record):
         """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
