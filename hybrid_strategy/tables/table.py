@@ -492,7 +492,8 @@ def lookup_many(requests, name=None, checked=False):
     The ids a worker sends each PS task cross as one tensor, and the rows that task
     sends back as one (communication/wire.py): one exchange per PS task, whatever the number of
     tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
-    (`checked_ids`) already.
+    (`checked_ids`) already. Ids a unique op gave (in a traced function) are looked
+    up as they are, without a unique of the lookup's own.
     """
     for_export = exporting()
     with tf.name_scope(name or "hybrid_lookup"):
@@ -503,7 +504,10 @@ def lookup_many(requests, name=None, checked=False):
                 raise TypeError(
                     f"ids looked up in table {table.path} must be integers (int32 or "
                     f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-            unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
+            if _distinct(ids):  # a unique op's output: rows and gradients as they are
+                unique_ids, positions = ids, None
+            else:
+                unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
             if not (checked or _ids_checked_by_layer(table)):
                 unique_ids = _checked(unique_ids, table)
             if not for_export:
@@ -512,7 +516,8 @@ def lookup_many(requests, name=None, checked=False):
         with record.stop_recording():
             rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
                                 for_export)
-            outputs = [tf.gather(r, positions) for r, (_, _, _, positions) in zip(rows, distinct)]
+            outputs = [r if positions is None else tf.gather(r, positions)
+                       for r, (_, _, _, positions) in zip(rows, distinct)]
         results = []
         for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
             if not for_export:  # a served function computes no gradient
@@ -527,10 +532,20 @@ def _row_gradients(table, unique_ids, positions):
     dense_shape = tf.constant(table.shape.as_list(), dtype=tf.int64)
 
     def row_gradients(dy):
-        summed = tf.math.unsorted_segment_sum(dy, positions, num_unique)
+        summed = dy if positions is None else tf.math.unsorted_segment_sum(
+            dy, positions, num_unique)
         return tf.IndexedSlices(summed, unique_ids, dense_shape)
 
     return row_gradients
+
+
+_UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
+
+
+def _distinct(ids):
+    """Whether `ids` are the distinct values a unique op of a traced function gave."""
+    op = getattr(ids, "op", None) if not tf.executing_eagerly() else None
+    return op is not None and op.type in _UNIQUE_OPS and ids.value_index == 0
 
 
 def record_gradient(table, output, gradient):
