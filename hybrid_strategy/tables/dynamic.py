@@ -257,7 +257,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
         with tf.control_dependencies([seen]):
             shortfall = tf.size(wanting, out_type=tf.int64) - self.num_free.read_value()
-        kept = self._evict(step, shortfall, new_to_map, distinct, tf.stack([row, count, steps], 1))
+        kept = self._evict(step, shortfall, new_to_map, distinct, (row, count, steps))
         with tf.control_dependencies([kept]):
             num_free = self.num_free.read_value()
         # Rows go to waiting ids in ascending key order, so that who gets one, and which,
@@ -291,8 +291,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         """The pass over the rows when rows run short, ids age or waiting ids outnumber
         `max_waiting`. Returns which of the step's `distinct` ids stay in the map (all
         but those forgotten while waiting). Waiting ids are only in the map: it is
-        exported, with the step's `record` of its ids, when some of them may go (they
-        age, or are too many)."""
+        exported, with the step's `record` of its ids ((rows, counts, steps), written
+        first), when some of them may go (they age, or are too many)."""
         waiting = tf.reduce_sum([table.size() for table in self.shards]) + new_to_map - (
             self.capacity - self.num_free.read_value())
         forget = waiting > self.max_waiting
@@ -332,7 +332,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
     def _forget_waiting(self, step, distinct, record):
         """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
         outnumber `max_waiting`, down to half of it; returns which of `distinct` stay."""
-        with tf.control_dependencies(self._write(distinct, record)):
+        with tf.control_dependencies(self._write(distinct, tf.stack(record, 1))):
             keys, values = self.entries()
         waiting = values[:, _ROW] < 0
         count, last = values[:, _COUNT], values[:, _LAST]
