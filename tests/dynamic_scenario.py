@@ -4,8 +4,9 @@ The model: a user table keyed by raw int64 ids (admitted at their second sightin
 least recently seen evicted first, capacity below the ids in the stream), an item
 table keyed by strings, multi-hot with padding and a mean combiner (least often seen
 evicted first, and every id unseen for 4 steps), and a dense tower. The stream brings
-new ids every step; its last batch holds one example, so one worker's share is empty. Each case trains it with `model.fit` under HybridStrategy (the
-rows on the PS tasks, the id -> row maps split over them) and the same model on one
+new ids every step; its last batch holds one example, so one worker's share is empty.
+Each case trains it with `model.fit` under HybridStrategy (the rows on the PS tasks,
+the id -> row maps split over them) and the same model on one
 device from the same weights on the same global batches, and reports, per table,
 whether both hold the same ids with the same counts and last steps, the relative
 error of each id's row and optimizer slots, and of the dense weights, admissions,
