@@ -319,7 +319,7 @@ def test_bad_arguments_are_refused_when_the_layer_is_made(kwargs, error, match):
 
 def test_a_capacity_in_bytes_counts_rows_and_map_entries_waiting_ids_included():
     DynamicEmbedding, _ = _layers()
-    entry = 112  # bytes of a map entry; a row of 16 floats is 64 more, its record 32
+    entry = 48  # bytes of a map entry; a row of 16 floats is 64 more, its record 32
     assert DynamicEmbedding(16, "1MiB").capacity == 2**20 // (64 + 32 + 2 * entry)
     assert DynamicEmbedding(16, "1 MB", max_waiting=1000).capacity == (
         (10**6 - 1000 * entry) // (64 + 32 + entry))

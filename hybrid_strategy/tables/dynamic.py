@@ -3,11 +3,13 @@
 A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTable`
 on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
 `MutableHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
-one per PS task, on that task) from the id's key to `[row, count, last step]`, and,
-beside the first shard, each row's `[key, count, last step]` (last -1: a free row), a
-stack of free rows, the step counter and the totals of admissions and evictions. The
-rows' record lets the eviction pass choose among admitted ids without exporting the
-map, which it exports only when waiting ids may be forgotten.
+one per PS task, on that task) from the id's key to one int64: its row, or for an id
+waiting for a row its count and last step. Beside the first shard are each row's
+`[key, count, last step]` (last -1: a free row), a stack of free rows, the step
+counter and the totals of admissions and evictions. An admitted id's count and last
+step live in its row's record alone, so that the map is written only for ids without
+a row, and the eviction pass chooses among admitted ids without exporting the map,
+which it exports only when waiting ids may be forgotten.
 
 A training step (`Remap.train`) sees the global batch's ids once, in the
 cross-replica context, before any replica looks a row up:
@@ -49,11 +51,12 @@ from tensorflow.python.ops import resource_variable_ops
 from hybrid_strategy.tables import table as table_lib
 
 POLICIES = ("lru", "lfu")
-# [row, count, last step] of a key the remap has not seen.
-_UNSEEN = (-1, 0, -1)
-_ROW, _COUNT, _LAST = 0, 1, 2  # of a map entry
+_ROW, _COUNT, _LAST = 0, 1, 2  # of an id's state in a snapshot: [row, count, last]
 _KEY = 0  # of a row's record: [key, count, last]
 _STRING_BUCKETS = np.iinfo(np.int64).max
+# A waiting id's map value packs its count (up to 2**31 - 1) and last step + 1 (up to
+# 2**32 - 1): -1 - (count << 32 | last + 1), so -1 is an id never seen.
+_LOW = 2**32
 
 
 def keys_of(ids):
@@ -111,10 +114,23 @@ def initial_rows(keys, dim, initializer, seed, dtype):
     return tf.cast(values, dtype)
 
 
+def _packed(row, count, last):
+    """The map's value of ids: the row of those holding one, else the count and last step
+    of a waiting id, packed (both saturate: a count at 2**31 - 1, a step at 2**32 - 2)."""
+    code = tf.minimum(count, 2**31 - 1) * _LOW + tf.clip_by_value(last + 1, 0, _LOW - 1)
+    return tf.where(row >= 0, row, -1 - code)
+
+
+def _waiting(value):
+    """(count, last step) packed in map values; meaningful where the value is negative."""
+    code = -1 - value
+    return code // _LOW, code % _LOW - 1
+
+
 def _exported(table):
-    """Every id of a shard, and its [row, count, last], with their static shapes."""
+    """Every id of a shard and its map value, with their static shapes."""
     keys, values = table.export()
-    return tf.reshape(keys, [-1]), tf.reshape(values, [-1, 3])
+    return tf.reshape(keys, [-1]), tf.reshape(values, [-1])
 
 
 def _variable(value, device, name):
@@ -155,7 +171,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         for k, device in enumerate(self.devices):
             with tf.device(device):
                 self.shards.append(tf.lookup.experimental.MutableHashTable(
-                    tf.int64, tf.int64, default_value=tf.constant(_UNSEEN, tf.int64),
+                    tf.int64, tf.int64, default_value=tf.constant(-1, tf.int64),
                     name=f"{name}_shard_{k}"))
         home = self.devices[0]
         # Rows are popped from the end: 0, 1, 2, ... first.
@@ -173,10 +189,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
     # Reads -----------------------------------------------------------------------
 
     def _find(self, keys):
-        """[row, count, last] of each key, looked up on its shard."""
+        """The map value of each key, looked up on its shard."""
         if len(self.shards) == 1:
             with tf.device(self.devices[0]):
-                return tf.ensure_shape(self.shards[0].lookup(keys), [None, 3])
+                return tf.ensure_shape(self.shards[0].lookup(keys), [None])
         shard = shard_of(keys, len(self.shards))
         parts = tf.dynamic_partition(keys, shard, len(self.shards))
         positions = tf.dynamic_partition(tf.range(tf.size(keys)), shard, len(self.shards))
@@ -184,7 +200,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         for table, device, part in zip(self.shards, self.devices, parts):
             with tf.device(device):
                 found.append(table.lookup(part))
-        return tf.ensure_shape(tf.dynamic_stitch(positions, found), [None, 3])
+        return tf.ensure_shape(tf.dynamic_stitch(positions, found), [None])
 
     def _on_shards(self, method, keys, *more):
         """`table.<method>(its keys, its part of each of `more`)` on each shard, on its
@@ -209,10 +225,19 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def lookup(self, keys):
         """Each key's row, or -1 for keys not admitted; changes nothing."""
-        return self._find(keys)[:, _ROW]
+        return tf.maximum(self._find(keys), -1)
 
-    def entries(self):
-        """(keys, [row, count, last] values) of every id the remap holds, all shards."""
+    def _state(self, values):
+        """(row, count, last step) of ids whose map values are `values`: an admitted
+        id's from its row's record."""
+        row = tf.maximum(values, -1)
+        held = self.rows.sparse_read(tf.where(row >= 0, row, self.capacity))
+        count, last = _waiting(values)
+        return (row, tf.where(row >= 0, held[:, _COUNT], count),
+                tf.where(row >= 0, held[:, _LAST], last))
+
+    def _exported(self):
+        """(keys, map values) of every id the map holds, all shards."""
         keys, values = [], []
         for table, device in zip(self.shards, self.devices):
             with tf.device(device):
@@ -221,13 +246,19 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 values.append(v)
         return tf.concat(keys, 0), tf.concat(values, 0)
 
+    def entries(self):
+        """(keys, [row, count, last] values) of every id the remap holds, all shards."""
+        keys, values = self._exported()
+        with tf.device(self.devices[0]):
+            return keys, tf.stack(self._state(values), 1)
+
     def rows_in_use(self):
         """Rows held by admitted ids, per shard (ids are split over shards by hash)."""
         counts = []
         for table, device in zip(self.shards, self.devices):
             with tf.device(device):
                 _, v = _exported(table)
-                counts.append(tf.reduce_sum(tf.cast(v[:, _ROW] >= 0, tf.int64)))
+                counts.append(tf.reduce_sum(tf.cast(v >= 0, tf.int64)))
         return tf.stack(counts)
 
     # The training step ---------------------------------------------------------------
@@ -248,9 +279,9 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         step = self.step.assign_add(1)
         distinct, position, count = tf.unique_with_counts(keys, out_idx=tf.int64)
         values = self._find(distinct)
-        row = values[:, _ROW]
-        new_to_map = tf.reduce_sum(tf.cast(tf.equal(values[:, _COUNT], 0), tf.int64))
-        count = values[:, _COUNT] + count
+        new_to_map = tf.reduce_sum(tf.cast(tf.equal(values, -1), tf.int64))
+        row, count_before, _ = self._state(values)
+        count = count_before + count
         steps = tf.fill(tf.shape(row), step)
         # Rows held before this step: seen now, so never evicted by its pass.
         seen = self._note_rows(row, distinct, count, step)
@@ -271,13 +302,15 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         take = [self.num_free.assign_sub(num_admitted, read_value=False),
                 self.admissions.assign_add(num_admitted, read_value=False),
                 self._note_rows(new_rows, new_keys, tf.gather(count, admitted), step)]
+        # One write of the step's ids without a row before it, their new rows among them
+        # (admitted ids' counts and steps are in their rows' records); ids the pass
+        # forgot stay out of the map unless admitted.
+        written = (kept & (row < 0)) | tf.scatter_nd(
+            admitted[:, None], tf.ones_like(admitted, tf.bool),
+            tf.shape(distinct, out_type=tf.int64))
         row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
-        # One write of the step's ids, their new rows among them; ids the pass forgot
-        # stay out of the map unless admitted.
-        written = kept | tf.scatter_nd(admitted[:, None], tf.ones_like(admitted, tf.bool),
-                                       tf.shape(distinct, out_type=tf.int64))
         writes = self._write(tf.boolean_mask(distinct, written),
-                             tf.boolean_mask(tf.stack([row, count, steps], 1), written))
+                             tf.boolean_mask(_packed(row, count, steps), written))
         with tf.control_dependencies(take + writes + list(reset(new_rows, new_keys))):
             return tf.gather(row, position)
 
@@ -332,10 +365,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
     def _forget_waiting(self, step, distinct, record):
         """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
         outnumber `max_waiting`, down to half of it; returns which of `distinct` stay."""
-        with tf.control_dependencies(self._write(distinct, tf.stack(record, 1))):
-            keys, values = self.entries()
-        waiting = values[:, _ROW] < 0
-        count, last = values[:, _COUNT], values[:, _LAST]
+        with tf.control_dependencies(self._write(distinct, _packed(*record))):
+            keys, values = self._exported()
+        waiting = values < 0
+        count, last = _waiting(values)
         gone = tf.zeros_like(waiting)
         if self.max_age is not None:
             gone = waiting & (last < step - self.max_age)
@@ -345,7 +378,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                           tf.int64)
         gone |= self._lowest(keys, waiting, last, count, excess)
         with tf.control_dependencies(self._erase(tf.boolean_mask(keys, gone))):
-            return self._find(distinct)[:, _COUNT] > 0
+            return tf.not_equal(self._find(distinct), -1)
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
@@ -406,8 +439,9 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                         f"{self.capacity}: restore it into a table of its capacity.")
             with tf.control_dependencies([fits]):
                 keys = tf.convert_to_tensor(snapshot["keys"], tf.int64)
-                with tf.control_dependencies(self._erase(self.entries()[0])):
-                    writes = self._write(keys, values)
+                with tf.control_dependencies(self._erase(self._exported()[0])):
+                    writes = self._write(keys, _packed(values[:, _ROW], values[:, _COUNT],
+                                                       values[:, _LAST]))
                 held = tf.where(values[:, _ROW] >= 0)[:, 0]
                 record = tf.stack([keys, values[:, _COUNT], values[:, _LAST]], 1)
                 writes.append(self.rows.assign(tf.tensor_scatter_nd_update(
