@@ -45,7 +45,9 @@ def _remap(**kwargs):
 def _train(remap, ids, reset=None):
     _, dynamic = _layers()
     keys = dynamic.keys_of(tf.constant(ids, tf.int64))
-    return remap.train(keys, reset or (lambda rows, keys: [])).numpy()
+    distinct, position, counts = tf.unique_with_counts(keys, out_idx=tf.int64)
+    rows = remap.train(distinct, counts, reset or (lambda rows, keys: []))
+    return tf.gather(rows, position).numpy()
 
 
 def _held(remap):

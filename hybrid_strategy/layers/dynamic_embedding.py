@@ -135,30 +135,50 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         context = tf.distribute.get_replica_context()
         # A SavedModel's traces (tf_keras traces training calls too) only look up.
         training = training and context is not None and not table_lib.exporting()
+        # Each distinct id once, uniqued where the ids are: distinct ids hold distinct
+        # rows, each read once, so that its gradient has each row once, its occurrences
+        # summed, as a dense gradient would (Keras' sparse optimizer steps would
+        # otherwise take repeated rows one by one).
         if training:
-            rows = context.merge_call(self._train_step, args=(keys,))
+            distinct, position, counts = tf.unique_with_counts(keys, out_idx=tf.int64)
+            rows = context.merge_call(self._train_step, args=(tf.stack([distinct, counts]),))
         else:
-            rows = self.remap.lookup(keys)
+            distinct, position = tf.unique(keys, out_idx=tf.int64)
+            rows = self.remap.lookup(distinct)
         # Training makes the rows beside the map's first shard: they are looked up from
         # there, so that they reach the table's shards without a round trip through the
-        # worker; only the rows' vectors cross to it.
+        # worker; the rows and their vectors cross to it.
         with tf.device(self.remap.devices[0]) if training else contextlib.nullcontext():
-            found = tf.where(rows >= 0)
-            # Each row read once: its gradient then has each row once, its occurrences
-            # summed, as a dense gradient would (Keras' sparse optimizer steps would
-            # otherwise take repeated rows one by one).
-            distinct, position = tf.unique(tf.gather_nd(rows, found))
-            vectors = tf.nn.embedding_lookup(self.embeddings, distinct)
-        return output(found, tf.cast(tf.gather(vectors, position), self.compute_dtype))
+            with table_lib.distinct_rows_of(getattr(self.embeddings, "_value",
+                                                    self.embeddings)):
+                vectors = tf.nn.embedding_lookup(self.embeddings,
+                                                 tf.gather_nd(rows, tf.where(rows >= 0)))
+        # The vectors cross once, here, where the gradient of their gather then takes
+        # their shape.
+        vectors = tf.identity(vectors)
+        # Each id's place among the vectors (-1: no row).
+        held = rows >= 0
+        place = tf.gather(tf.where(held, tf.cumsum(tf.cast(held, tf.int64)) - 1, -1), position)
+        found = tf.where(place >= 0)
+        return output(found, tf.cast(tf.gather(vectors, tf.gather_nd(place, found)),
+                                     self.compute_dtype))
 
-    def _train_step(self, strategy, keys):
-        """Admission and eviction for the global batch, once; each replica's rows."""
-        parts = strategy.experimental_local_results(keys)
-        rows = self.remap.train(tf.concat(parts, 0) if len(parts) > 1 else parts[0],
-                                self._reset)
+    def _train_step(self, strategy, counted):
+        """Admission and eviction for the global batch, once: the rows of each replica's
+        distinct ids, given with their counts (`counted`: [2, ids])."""
+        parts = strategy.experimental_local_results(counted)
+        # Each replica's ids and counts cross to the map's first shard as one tensor.
+        with tf.device(self.remap.devices[0]):
+            keys, counts = tf.unstack(tf.concat(parts, 1) if len(parts) > 1 else parts[0])
+            if len(parts) > 1:
+                keys, place = tf.unique(keys, out_idx=tf.int64)
+                counts = tf.math.unsorted_segment_sum(counts, place, tf.size(keys))
+        rows = self.remap.train(keys, counts, self._reset)
         if len(parts) == 1:
             return rows
-        return distribute_utils.regroup(tuple(tf.split(rows, [tf.size(p) for p in parts])))
+        with tf.device(self.remap.devices[0]):
+            return distribute_utils.regroup(tuple(
+                tf.gather(rows, p) for p in tf.split(place, [tf.shape(p)[1] for p in parts])))
 
     def _reset(self, rows, keys):
         values = dynamic.initial_rows(keys, self.output_dim, self._initializer, self.seed,

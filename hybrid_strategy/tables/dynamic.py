@@ -11,8 +11,8 @@ step live in its row's record alone, so that the map is written only for ids wit
 a row, and the eviction pass chooses among admitted ids without exporting the map,
 which it exports only when waiting ids may be forgotten.
 
-A training step (`Remap.train`) sees the global batch's ids once, in the
-cross-replica context, before any replica looks a row up:
+A training step (`Remap.train`) sees the global batch's distinct ids and their counts
+once, in the cross-replica context, before any replica looks a row up:
 
 1. each distinct id's count grows by its occurrences and its last step becomes this
    step;
@@ -35,8 +35,8 @@ the same global batch. Ids not admitted look up no row (row -1).
 import tensorflow as tf
 from hybrid_strategy.tables import dynamic
 remap = dynamic.Remap(capacity=4, devices=["/cpu:0"], min_count=2)
-keys = dynamic.keys_of(tf.constant([7, 7, 9], tf.int64))
-print(remap.train(keys, reset=lambda rows, keys: []).numpy())  # [ 0  0 -1]: 7 seen twice
+keys, counts = tf.constant([7, 9], tf.int64), tf.constant([2, 1], tf.int64)
+print(remap.train(keys, counts, reset=lambda rows, keys: []).numpy())  # [ 0 -1]
 ```
 """
 
@@ -263,21 +263,22 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     # The training step ---------------------------------------------------------------
 
-    def train(self, keys, reset):
-        """One training step's admission and eviction for the global batch's `keys`.
+    def train(self, distinct, counts, reset):
+        """One training step's admission and eviction for the global batch's keys:
+        `distinct` keys, each seen `counts` times (int64).
 
         `reset(rows, keys)` returns the ops that reset those rows (and their slots)
-        to each key's initial values. Returns each key's row after the step's
-        decisions (-1: not admitted), computed once for all replicas.
+        to each key's initial values. Returns each distinct key's row after the
+        step's decisions (-1: not admitted), computed once for all replicas.
         """
         # Beside the first shard: the step's bookkeeping waits on the network only for
-        # the other shards' finds and writes.
+        # the other shards' finds and writes. The keys cross to it once, before any op
+        # (a cond's branches among them) would take them from where they were made.
         with tf.device(self.devices[0]):
-            return self._train(keys, reset)
+            return self._train(tf.identity(distinct), tf.identity(counts), reset)
 
-    def _train(self, keys, reset):
+    def _train(self, distinct, count, reset):
         step = self.step.assign_add(1)
-        distinct, position, count = tf.unique_with_counts(keys, out_idx=tf.int64)
         values = self._find(distinct)
         new_to_map = tf.reduce_sum(tf.cast(tf.equal(values, -1), tf.int64))
         row, count_before, _ = self._state(values)
@@ -299,9 +300,11 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         # The free stack's top, read without copying the stack.
         new_rows = self.free.sparse_read(num_free - 1 - tf.range(num_admitted))
         new_keys = tf.gather(distinct, admitted)
-        take = [self.num_free.assign_sub(num_admitted, read_value=False),
-                self.admissions.assign_add(num_admitted, read_value=False),
-                self._note_rows(new_rows, new_keys, tf.gather(count, admitted), step)]
+        # The step's writes: a tf.function runs them beside the lookups of its rows (which
+        # wait for their reset only) and before the next step's reads.
+        self.num_free.assign_sub(num_admitted, read_value=False)
+        self.admissions.assign_add(num_admitted, read_value=False)
+        self._note_rows(new_rows, new_keys, tf.gather(count, admitted), step)
         # One write of the step's ids without a row before it, their new rows among them
         # (admitted ids' counts and steps are in their rows' records); ids the pass
         # forgot stay out of the map unless admitted.
@@ -309,10 +312,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
             admitted[:, None], tf.ones_like(admitted, tf.bool),
             tf.shape(distinct, out_type=tf.int64))
         row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
-        writes = self._write(tf.boolean_mask(distinct, written),
-                             tf.boolean_mask(_packed(row, count, steps), written))
-        with tf.control_dependencies(take + writes + list(reset(new_rows, new_keys))):
-            return tf.gather(row, position)
+        self._write(tf.boolean_mask(distinct, written),
+                    tf.boolean_mask(_packed(row, count, steps), written))
+        with tf.control_dependencies(reset(new_rows, new_keys)):
+            return tf.identity(row)
 
     def _note_rows(self, rows, keys, counts, step):
         """Writes the records of `rows`; rows -1 land in the spare last record."""

@@ -76,6 +76,8 @@ _ROW_READ_HANDLERS = []
 _EXPORT_TRACING = threading.local()
 # The tables whose ids the Embedding layers being called on this thread have checked.
 _LAYER_CHECKED = threading.local()
+# The tables looked up, on this thread, by distinct rows in range (`distinct_rows_of`).
+_DISTINCT_ROWS = threading.local()
 
 
 @dispatch.register_dispatchable_type
@@ -492,8 +494,9 @@ def lookup_many(requests, name=None, checked=False):
     The ids a worker sends each PS task cross as one tensor, and the rows that task
     sends back as one (communication/wire.py): one exchange per PS task, whatever the number of
     tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
-    (`checked_ids`) already. Ids a unique op gave (in a traced function) are looked
-    up as they are, without a unique of the lookup's own.
+    (`checked_ids`) already. Ids a unique op gave (in a traced function), and rows in
+    a `distinct_rows_of` block, are looked up as they are, without a unique of the
+    lookup's own.
     """
     for_export = exporting()
     with tf.name_scope(name or "hybrid_lookup"):
@@ -504,11 +507,11 @@ def lookup_many(requests, name=None, checked=False):
                 raise TypeError(
                     f"ids looked up in table {table.path} must be integers (int32 or "
                     f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-            if _distinct(ids):  # a unique op's output: rows and gradients as they are
+            if _distinct(ids) or _listed(_DISTINCT_ROWS, table):  # rows as they are
                 unique_ids, positions = ids, None
             else:
                 unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
-            if not (checked or _ids_checked_by_layer(table)):
+            if not (checked or _listed(_LAYER_CHECKED, table)):
                 unique_ids = _checked(unique_ids, table)
             if not for_export:
                 remember_gradient(unique_ids, table, distinct=True)
@@ -566,16 +569,31 @@ def record_gradient(table, output, gradient):
 @contextlib.contextmanager
 def _ids_checked_for(table):
     """Lookups of `table` in this block skip the id check: the layer has done it."""
-    outer = getattr(_LAYER_CHECKED, "tables", ())
-    _LAYER_CHECKED.tables = outer + (table,)
+    with _listing(_LAYER_CHECKED, table):
+        yield
+
+
+@contextlib.contextmanager
+def distinct_rows_of(table):
+    """Lookups of `table` (a PS table or a variable) in this block are of distinct rows
+    in range, as a DynamicEmbedding's map gives them: no unique and no check of their
+    own."""
+    with _listing(_DISTINCT_ROWS, table), _listing(_LAYER_CHECKED, table):
+        yield
+
+
+@contextlib.contextmanager
+def _listing(local, table):
+    outer = getattr(local, "tables", ())
+    local.tables = outer + (table,)
     try:
         yield
     finally:
-        _LAYER_CHECKED.tables = outer
+        local.tables = outer
 
 
-def _ids_checked_by_layer(table):
-    return any(checked is table for checked in getattr(_LAYER_CHECKED, "tables", ()))
+def _listed(local, table):
+    return any(listed is table for listed in getattr(local, "tables", ()))
 
 
 def _checked(unique_ids, table):
