@@ -38,12 +38,13 @@ def track_slots(variable):
 
 
 def reset_rows(variable, rows, values):
-    """The ops writing `values` to `rows` of `variable` and its slots' initial rows."""
-    ops = [_tf_variable(variable).scatter_update(tf.IndexedSlices(values, rows))]
+    """Writes `values` to `rows` of `variable` and its slots' initial rows; returns the
+    op writing the variable's, in a list. The slots' writes need no waiting for: the
+    optimizer reads them after the step's lookups, and tf.function runs them first."""
     for slot, row in getattr(variable, _SLOTS):
         initial = tf.tile(tf.cast(row, slot.dtype), tf.stack([tf.size(rows), 1]))
-        ops.append(_tf_variable(slot).scatter_update(tf.IndexedSlices(initial, rows)))
-    return ops
+        _tf_variable(slot).scatter_update(tf.IndexedSlices(initial, rows))
+    return [_tf_variable(variable).scatter_update(tf.IndexedSlices(values, rows))]
 
 
 def _tf_variable(variable):

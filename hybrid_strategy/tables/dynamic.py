@@ -267,9 +267,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         """One training step's admission and eviction for the global batch's keys:
         `distinct` keys, each seen `counts` times (int64).
 
-        `reset(rows, keys)` returns the ops that reset those rows (and their slots)
-        to each key's initial values. Returns each distinct key's row after the
-        step's decisions (-1: not admitted), computed once for all replicas.
+        `reset(rows, keys)` resets those rows (and their slots) to each key's initial
+        values and returns the ops the rows' lookups must wait for. Returns each
+        distinct key's row after the step's decisions (-1: not admitted), computed
+        once for all replicas.
         """
         # Beside the first shard: the step's bookkeeping waits on the network only for
         # the other shards' finds and writes. The keys cross to it once, before any op
