@@ -494,9 +494,8 @@ def lookup_many(requests, name=None, checked=False):
     The ids a worker sends each PS task cross as one tensor, and the rows that task
     sends back as one (communication/wire.py): one exchange per PS task, whatever the number of
     tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
-    (`checked_ids`) already. Ids a unique op gave (in a traced function), and rows in
-    a `distinct_rows_of` block, are looked up as they are, without a unique of the
-    lookup's own.
+    (`checked_ids`) already. Rows in a `distinct_rows_of` block are looked up as they
+    are, without a unique of the lookup's own.
     """
     for_export = exporting()
     with tf.name_scope(name or "hybrid_lookup"):
@@ -507,7 +506,7 @@ def lookup_many(requests, name=None, checked=False):
                 raise TypeError(
                     f"ids looked up in table {table.path} must be integers (int32 or "
                     f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-            if _distinct(ids) or _listed(_DISTINCT_ROWS, table):  # rows as they are
+            if _listed(_DISTINCT_ROWS, table):
                 unique_ids, positions = ids, None
             else:
                 unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
@@ -540,15 +539,6 @@ def _row_gradients(table, unique_ids, positions):
         return tf.IndexedSlices(summed, unique_ids, dense_shape)
 
     return row_gradients
-
-
-_UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
-
-
-def _distinct(ids):
-    """Whether `ids` are the distinct values a unique op of a traced function gave."""
-    op = getattr(ids, "op", None) if not tf.executing_eagerly() else None
-    return op is not None and op.type in _UNIQUE_OPS and ids.value_index == 0
 
 
 def record_gradient(table, output, gradient):
