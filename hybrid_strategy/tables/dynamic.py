@@ -236,7 +236,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         return (row, tf.where(row >= 0, held[:, _COUNT], count),
                 tf.where(row >= 0, held[:, _LAST], last))
 
-    def _exported(self):
+    def _map_values(self):
         """(keys, map values) of every id the map holds, all shards."""
         keys, values = [], []
         for table, device in zip(self.shards, self.devices):
@@ -248,7 +248,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def entries(self):
         """(keys, [row, count, last] values) of every id the remap holds, all shards."""
-        keys, values = self._exported()
+        keys, values = self._map_values()
         with tf.device(self.devices[0]):
             return keys, tf.stack(self._state(values), 1)
 
@@ -370,7 +370,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
         outnumber `max_waiting`, down to half of it; returns which of `distinct` stay."""
         with tf.control_dependencies(self._write(distinct, _packed(*record))):
-            keys, values = self._exported()
+            keys, values = self._map_values()
         waiting = values < 0
         count, last = _waiting(values)
         gone = tf.zeros_like(waiting)
@@ -443,7 +443,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                         f"{self.capacity}: restore it into a table of its capacity.")
             with tf.control_dependencies([fits]):
                 keys = tf.convert_to_tensor(snapshot["keys"], tf.int64)
-                with tf.control_dependencies(self._erase(self._exported()[0])):
+                with tf.control_dependencies(self._erase(self._map_values()[0])):
                     writes = self._write(keys, _packed(values[:, _ROW], values[:, _COUNT],
                                                        values[:, _LAST]))
                 held = tf.where(values[:, _ROW] >= 0)[:, 0]
