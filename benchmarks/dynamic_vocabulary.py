@@ -2,7 +2,7 @@
 
     python -m benchmarks.dynamic_vocabulary [--examples 1000000] [--batch 1024] [--dim 16]
         [--capacity-fraction 0.5] [--chunks 5] [--target-auc 0.75]
-        [--variants dynamic hashing lookup fixed] [--where local cluster] [--tfra]
+        [--variants dynamic hashing lookup fixed] [--where local cluster] [--ps 1] [--tfra]
 
 The data is `benchmarks.raw_id_data.make(--examples)`: a user id and up to 5 item ids
 per example, raw int64 hashes, Zipf-distributed over a universe that grows with time
@@ -24,8 +24,9 @@ ids become rows:
            throughput of today's table on the same ids.
 
 --where local trains in this process; --where cluster under a HybridStrategy of
-1 worker + 1 ps (`python -m hybrid_strategy.launch`, this file as its chief): the tables
-on the ps. The variants take their chunks in turn (chunk 1 of each, then chunk 2 of
+1 worker + --ps ps tasks (`python -m hybrid_strategy.launch`, this file as its chief):
+the tables on the ps tasks, each placed as placement decides (whole, or split over the
+tasks when at least twice `min_shard_bytes`). The variants take their chunks in turn (chunk 1 of each, then chunk 2 of
 each, ...), so that load from elsewhere falls on all alike. Per variant: examples/s over
 the chunks after the first (which holds the tracing), validation AUC (exact, numpy) after each chunk, the training time until it
 first reaches --target-auc, collisions or admissions/evictions. --tfra adds
@@ -61,12 +62,15 @@ def parse_args(argv=None):
     parser.add_argument("--target-auc", type=float, default=0.75)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--where", nargs="+", choices=WHERE, default=list(WHERE))
+    parser.add_argument("--ps", type=int, default=1, help="ps tasks of --where cluster")
     parser.add_argument("--tfra", action="store_true")
     parser.add_argument("--out", default=os.path.join(RESULTS, "dynamic_vocabulary.json"))
     parser.add_argument("--chief", help=argparse.SUPPRESS)  # JSON file a cluster run writes
     args = parser.parse_args(argv)
     if args.examples < 10 * args.batch * args.chunks:
         parser.error("--examples must give each chunk at least 10 batches of training data")
+    if args.ps < 1:
+        parser.error("--ps must be at least 1")
     if not 0.0 < args.capacity_fraction <= 1.0:
         parser.error("--capacity-fraction must be in (0, 1]")
     return args
@@ -222,7 +226,7 @@ def run_chief(args):
 
 
 def run_cluster(args, argv):
-    return machine.run_as_chief("benchmarks.dynamic_vocabulary", argv, args.out)
+    return machine.run_as_chief("benchmarks.dynamic_vocabulary", argv, args.out, ps=args.ps)
 
 
 def run_tfra(args):
@@ -254,6 +258,8 @@ def markdown(report):
         "|---|---|---:|---:|---:|---:|---:|---|"]
     for where, results in report["results"].items():
         fixed = results.get("fixed", {}).get("examples_per_s")
+        if where == "cluster":
+            where = f"cluster (1 worker + {args.get('ps', 1)} ps)"
         for variant, r in results.items():
             notes = ""
             if "collisions" in r:

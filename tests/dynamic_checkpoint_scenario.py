@@ -23,7 +23,7 @@ import tensorflow as tf
 
 import dynamic_scenario as scenario
 import optimizer_references as references
-from optimizer_scenario import path
+from optimizer_scenario import devices, path
 
 keras = tf.keras
 KERAS3 = hasattr(keras, "ops")
@@ -51,7 +51,9 @@ def _state(model, strategy):
             "iterations": int(np.asarray(model.optimizer.iterations)),
             "num_ps": len(strategy.extended.ps_devices),
             "remap_devices": {n: list(model.get_layer(n).remap.devices)
-                              for n in scenario.TABLES}}
+                              for n in scenario.TABLES},
+            "rows_devices": {n: devices(model.get_layer(n).embeddings)
+                             for n in scenario.TABLES}}
 
 
 def main(phase, directory):

@@ -120,6 +120,7 @@ def case(strategy, weights, make_optimizer, inputs, clicks):
         model = build_model()
         model.set_weights(weights)
         model.compile(optimizer=make_optimizer(), loss=loss)
+        small = _small_table()
     dataset = tf.data.Dataset.from_tensor_slices((inputs, clicks)).batch(GLOBAL_BATCH)
     model.fit(dataset, epochs=1, verbose=0)
     reference = build_model()
@@ -131,7 +132,18 @@ def case(strategy, weights, make_optimizer, inputs, clicks):
              if path(w).split("/")[0] not in TABLES}
     return model, {"tables": {name: compare(model.get_layer(name), reference.get_layer(name))
                               for name in TABLES},
-                   "dense_errors": dense}
+                   "dense_errors": dense,
+                   "small_table": {"rows_devices": devices(small.embeddings),
+                                   "remap_devices": list(small.remap.devices)}}
+
+
+def _small_table():
+    """A table too small to split (16 bytes), built where `case` builds its model."""
+    from hybrid_strategy.layers import DynamicEmbedding
+
+    layer = DynamicEmbedding(2, capacity=2, name="small")
+    layer.build((None,))
+    return layer
 
 
 def export(model, inputs, directory):

@@ -437,12 +437,16 @@ def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(ex
 
 
 @pytest.mark.cluster
-def test_rows_and_id_maps_are_split_over_both_ps_tasks(report):
+def test_id_maps_are_split_as_their_rows_are(report):
     for case in report.values():
         for result in case["tables"].values():
             assert sorted(result["rows_devices"]) == PS
-            assert sorted(result["remap_devices"]) == PS
+            assert result["remap_devices"] == result["rows_devices"]
             assert all(n > 0 for n in result["stats"]["rows_in_use"]), result["stats"]
+        # A table placed whole keeps its map whole beside it.
+        small = case["small_table"]
+        assert small["remap_devices"] == small["rows_devices"] and small["rows_devices"][0] in PS
+        assert len(small["rows_devices"]) == 1
 
 
 @pytest.mark.cluster
@@ -462,7 +466,9 @@ def test_a_mid_epoch_save_restored_onto_other_ps_counts_ends_where_training_ende
         restored, onto):
     saved, resumed = restored["saved"], restored[onto]
     assert (saved["num_ps"], resumed["num_ps"]) == (2, 1 if onto == "one_ps" else 3)
-    assert all(len(d) == resumed["num_ps"] for d in resumed["remap_devices"].values())
+    # The maps are split as the restored rows are: the larger table's over every ps.
+    assert resumed["remap_devices"] == resumed["rows_devices"]
+    assert len(resumed["remap_devices"]["item"]) == resumed["num_ps"]
     assert resumed["iterations"] == saved["iterations"]
     for table, ids in saved["tables"].items():
         assert sorted(resumed["tables"][table]) == sorted(ids), table

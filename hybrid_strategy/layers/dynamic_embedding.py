@@ -43,8 +43,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     seen first), and `max_age` evicts ids not seen for that many steps. An admitted
     id's row starts from `embeddings_initializer`, drawn from a hash of the id, and
     its optimizer slots from their initial values. Under a `HybridStrategy` the rows
-    are a table on the PS tasks, and the id -> row map is split over the PS tasks by
-    a hash of the id; elsewhere both are local, with the same results.
+    are a table on the PS tasks, and the id -> row map is split as the rows are (over
+    the PS tasks holding them), by a hash of the id; elsewhere both are local, with the
+    same results.
 
     Decisions are taken once per training step for the global batch, before any
     row is read, so training on N workers gives what one device gives on the same
@@ -119,9 +120,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                                           initializer="zeros", trainable=True)
         dynamic_hooks.track_slots(self.embeddings)
         with tf.init_scope():  # Keras may build inside a traced function
-            self.remap = dynamic.Remap(self.capacity, _remap_devices(), self.min_count,
-                                       self.eviction, self.max_age, self.max_waiting,
-                                       name=f"{self.name}_remap")
+            self.remap = dynamic.Remap(self.capacity, _remap_devices(self.embeddings),
+                                       self.min_count, self.eviction, self.max_age,
+                                       self.max_waiting, name=f"{self.name}_remap")
         plan = getattr(tf.distribute.get_strategy(), "placement", None)
         if plan is not None:
             stats = weakref.WeakMethod(self.table_stats)
@@ -375,8 +376,13 @@ def _path_of(variable):
     return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
-def _remap_devices():
-    """The PS tasks of a HybridStrategy in scope, else the local CPU."""
-    strategy = tf.distribute.get_strategy()
-    ps_devices = getattr(strategy.extended, "ps_devices", None)
+def _remap_devices(embeddings):
+    """Where the id -> row map's shards live: beside the shards of `embeddings` when
+    they are a table on the PS tasks, so that the map is split as its rows are (a table
+    placed whole keeps its bookkeeping on one task, calling no other), else over the
+    PS tasks of a HybridStrategy in scope, else on the local CPU."""
+    rows = getattr(embeddings, "_value", embeddings)
+    if table_lib.is_table(rows):
+        return rows.devices
+    ps_devices = getattr(tf.distribute.get_strategy().extended, "ps_devices", None)
     return tuple(ps_devices) if ps_devices else ("/device:CPU:0",)

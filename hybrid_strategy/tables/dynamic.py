@@ -3,7 +3,7 @@
 A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTable`
 on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
 `MutableHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
-one per PS task, on that task) from the id's key to one int64: its row, or for an id
+one per shard of the table's rows, on its PS task) from the id's key to one int64: its row, or for an id
 waiting for a row its count and last step. Beside the first shard are each row's
 `[key, count, last step]` (last -1: a free row), a stack of free rows, the step
 counter and the totals of admissions and evictions. An admitted id's count and last
