@@ -116,7 +116,8 @@ def initial_rows(keys, dim, initializer, seed, dtype):
 
 def _packed(row, count, last):
     """The map's value of ids: the row of those holding one, else the count and last step
-    of a waiting id, packed (both saturate: a count at 2**31 - 1, a step at 2**32 - 2)."""
+    (one for all, or each id's) of a waiting id, packed (both saturate: a count at
+    2**31 - 1, a step at 2**32 - 2)."""
     code = tf.minimum(count, 2**31 - 1) * _LOW + tf.clip_by_value(last + 1, 0, _LOW - 1)
     return tf.where(row >= 0, row, -1 - code)
 
@@ -284,13 +285,12 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         new_to_map = tf.reduce_sum(tf.cast(tf.equal(values, -1), tf.int64))
         row, count_before, _ = self._state(values)
         count = count_before + count
-        steps = tf.fill(tf.shape(row), step)
         # Rows held before this step: seen now, so never evicted by its pass.
         seen = self._note_rows(row, distinct, count, step)
         wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
         with tf.control_dependencies([seen]):
             shortfall = tf.size(wanting, out_type=tf.int64) - self.num_free.read_value()
-        kept = self._evict(step, shortfall, new_to_map, distinct, (row, count, steps))
+        kept = self._evict(step, shortfall, new_to_map, distinct, (row, count, step))
         with tf.control_dependencies([kept]):
             num_free = self.num_free.read_value()
         # Rows go to waiting ids in ascending key order, so that who gets one, and which,
@@ -309,12 +309,12 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         # One write of the step's ids without a row before it, their new rows among them
         # (admitted ids' counts and steps are in their rows' records); ids the pass
         # forgot stay out of the map unless admitted.
-        written = (kept & (row < 0)) | tf.scatter_nd(
+        written = tf.where((kept & (row < 0)) | tf.scatter_nd(
             admitted[:, None], tf.ones_like(admitted, tf.bool),
-            tf.shape(distinct, out_type=tf.int64))
+            tf.shape(distinct, out_type=tf.int64)))[:, 0]
         row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
-        self._write(tf.boolean_mask(distinct, written),
-                    tf.boolean_mask(_packed(row, count, steps), written))
+        self._write(tf.gather(distinct, written), _packed(
+            tf.gather(row, written), tf.gather(count, written), step))
         with tf.control_dependencies(reset(new_rows, new_keys)):
             return tf.identity(row)
 
@@ -328,7 +328,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         """The pass over the rows when rows run short, ids age or waiting ids outnumber
         `max_waiting`. Returns which of the step's `distinct` ids stay in the map (all
         but those forgotten while waiting). Waiting ids are only in the map: it is
-        exported, with the step's `record` of its ids ((rows, counts, steps), written
+        exported, with the step's `record` of its ids ((rows, counts, this step), written
         first), when some of them may go (they age, or are too many)."""
         waiting = tf.reduce_sum([table.size() for table in self.shards]) + new_to_map - (
             self.capacity - self.num_free.read_value())
