@@ -14,6 +14,7 @@ dynamic_hooks.install()   # DynamicEmbedding() and HybridStrategy() do
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 
 from hybrid_strategy import versions
@@ -42,7 +43,9 @@ def reset_rows(variable, rows, values):
     op writing the variable's, in a list. The slots' writes need no waiting for: the
     optimizer reads them after the step's lookups, and tf.function runs them first."""
     for slot, row in getattr(variable, _SLOTS):
-        initial = tf.tile(tf.cast(row, slot.dtype), tf.stack([tf.size(rows), 1]))
+        # A constant of the graph, made where the slot's rows are written: an eager
+        # tensor would be an input of every step, sent from the chief.
+        initial = tf.tile(tf.constant(row, slot.dtype), tf.stack([tf.size(rows), 1]))
         _tf_variable(slot).scatter_update(tf.IndexedSlices(initial, rows))
     return [_tf_variable(variable).scatter_update(tf.IndexedSlices(values, rows))]
 
@@ -57,7 +60,7 @@ def _record(reference, slot, initial_row):
     slots = getattr(reference, _SLOTS, None)
     if slots is not None:
         with tf.init_scope():
-            slots.append((slot, tf.constant(initial_row(), slot.dtype)))
+            slots.append((slot, np.asarray(initial_row())))
     return slot
 
 
