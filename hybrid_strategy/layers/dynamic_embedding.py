@@ -146,21 +146,25 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         else:
             distinct, position = tf.unique(keys, out_idx=tf.int64)
             rows = self.remap.lookup(distinct)
-        # Training makes the rows beside the map's first shard: they are looked up from
-        # there, so that they reach the table's shards without a round trip through the
-        # worker; the rows and their vectors cross to it.
-        with tf.device(self.remap.devices[0]) if training else contextlib.nullcontext():
-            with table_lib.distinct_rows_of(getattr(self.embeddings, "_value",
-                                                    self.embeddings)):
-                vectors = tf.nn.embedding_lookup(self.embeddings,
-                                                 tf.gather_nd(rows, tf.where(rows >= 0)))
-        # The vectors cross once, here, where the gradient of their gather then takes
-        # their shape.
-        vectors = tf.identity(vectors)
-        # Each id's place among the vectors (-1: no row).
+        # Each id's place among the vectors (-1: no row), and the rows of the gradient.
         held = rows >= 0
         place = tf.gather(tf.where(held, tf.cumsum(tf.cast(held, tf.int64)) - 1, -1), position)
         found = tf.where(place >= 0)
+        held_rows = tf.gather_nd(rows, tf.where(held))
+        looked_up, beside_map = held_rows, contextlib.nullcontext()
+        if training:
+            # Training makes the rows beside the map's first shard, and looks them up from
+            # there, so that they reach the table's shards without a round trip through
+            # the worker: they cross to it once, for the lines above, as the vectors do.
+            beside_map = tf.device(self.remap.devices[0])
+            with tf.device(self.remap.devices[0]):
+                looked_up = tf.gather_nd(rows, tf.where(rows >= 0))
+        with table_lib.distinct_rows_of(getattr(self.embeddings, "_value", self.embeddings),
+                                        gradient_rows=held_rows), beside_map:
+            vectors = tf.nn.embedding_lookup(self.embeddings, looked_up)
+        # The vectors cross once, here, where the gradient of their gather then takes
+        # their shape.
+        vectors = tf.identity(vectors)
         return output(found, tf.cast(tf.gather(vectors, tf.gather_nd(place, found)),
                                      self.compute_dtype))
 

@@ -76,7 +76,8 @@ _ROW_READ_HANDLERS = []
 _EXPORT_TRACING = threading.local()
 # The tables whose ids the Embedding layers being called on this thread have checked.
 _LAYER_CHECKED = threading.local()
-# The tables looked up, on this thread, by distinct rows in range (`distinct_rows_of`).
+# (table, rows naming its gradient or None) of the tables looked up, on this thread, by
+# distinct rows in range (`distinct_rows_of`).
 _DISTINCT_ROWS = threading.local()
 
 
@@ -506,24 +507,26 @@ def lookup_many(requests, name=None, checked=False):
                 raise TypeError(
                     f"ids looked up in table {table.path} must be integers (int32 or "
                     f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-            if _listed(_DISTINCT_ROWS, table):
+            listed = [rows for t, rows in getattr(_DISTINCT_ROWS, "tables", ()) if t is table]
+            if listed:
                 unique_ids, positions = ids, None
             else:
                 unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
             if not (checked or _listed(_LAYER_CHECKED, table)):
                 unique_ids = _checked(unique_ids, table)
+            named = unique_ids if not listed or listed[-1] is None else listed[-1]
             if not for_export:
-                remember_gradient(unique_ids, table, distinct=True)
-            distinct.append((table, ids, unique_ids, positions))
+                remember_gradient(named, table, distinct=True)
+            distinct.append((table, ids, unique_ids, positions, named))
         with record.stop_recording():
-            rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
+            rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _, _ in distinct],
                                 for_export)
             outputs = [r if positions is None else tf.gather(r, positions)
-                       for r, (_, _, _, positions) in zip(rows, distinct)]
+                       for r, (_, _, _, positions, _) in zip(rows, distinct)]
         results = []
-        for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
+        for out, (table, ids, _, positions, named) in zip(outputs, distinct):
             if not for_export:  # a served function computes no gradient
-                record_gradient(table, out, _row_gradients(table, unique_ids, positions))
+                record_gradient(table, out, _row_gradients(table, named, positions))
             results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
         return results
 
@@ -564,11 +567,12 @@ def _ids_checked_for(table):
 
 
 @contextlib.contextmanager
-def distinct_rows_of(table):
+def distinct_rows_of(table, gradient_rows=None):
     """Lookups of `table` (a PS table or a variable) in this block are of distinct rows
     in range, as a DynamicEmbedding's map gives them: no unique and no check of their
-    own."""
-    with _listing(_DISTINCT_ROWS, table), _listing(_LAYER_CHECKED, table):
+    own. `gradient_rows`: the same rows where the gradient is computed, to name the
+    gradient's rows instead of the rows looked up, which then need not cross there."""
+    with _listing(_DISTINCT_ROWS, (table, gradient_rows)), _listing(_LAYER_CHECKED, table):
         yield
 
 
