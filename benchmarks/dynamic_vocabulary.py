@@ -26,9 +26,10 @@ ids become rows:
 --where local trains in this process; --where cluster under a HybridStrategy of
 1 worker + --ps ps tasks (`python -m hybrid_strategy.launch`, this file as its chief):
 the tables on the ps tasks, each placed as placement decides (whole, or split over the
-tasks when at least twice `min_shard_bytes`). The variants take their chunks in turn (chunk 1 of each, then chunk 2 of
-each, ...), so that load from elsewhere falls on all alike. Per variant: examples/s over
-the chunks after the first (which holds the tracing), validation AUC (exact, numpy) after each chunk, the training time until it
+tasks when at least twice `min_shard_bytes`). The variants take their chunks in turn
+(chunk 1 of each, then chunk 2 of each, ...), so that load from elsewhere falls on all
+alike. Per variant: examples/s over the chunks after the first (which holds the
+tracing), validation AUC (exact, numpy) after each chunk, the training time until it
 first reaches --target-auc, collisions or admissions/evictions. --tfra adds
 TensorFlow Recommenders-Addons (benchmarks/tfra_contender.py, in its own virtualenv
 with TensorFlow 2.16.2) on the same data, batch and dim, in the same run. Results:

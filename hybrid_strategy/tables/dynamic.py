@@ -3,10 +3,10 @@
 A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTable`
 on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
 `MutableHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
-one per shard of the table's rows, on its PS task) from the id's key to one int64: its row, or for an id
-waiting for a row its count and last step. Beside the first shard are each row's
-`[key, count, last step]` (last -1: a free row), a stack of free rows, the step
-counter and the totals of admissions and evictions. An admitted id's count and last
+one per shard of the table's rows, on its PS task) from the id's key to one int64: its
+row, or for an id waiting for a row its count and last step. Beside the first shard
+are each row's `[key, count, last step]` (last -1: a free row), a stack of free rows,
+the step counter and the totals of admissions and evictions. An admitted id's count and last
 step live in its row's record alone, so that the map is written only for ids without
 a row, and the eviction pass chooses among admitted ids without exporting the map,
 which it exports only when waiting ids may be forgotten.

@@ -577,9 +577,11 @@ def distinct_rows_of(table, gradient_rows=None):
 
 
 @contextlib.contextmanager
-def _listing(local, table):
+def _listing(local, entry):
+    """Adds `entry` (a table, or a tuple starting with one) to `local`'s list in this
+    block."""
     outer = getattr(local, "tables", ())
-    local.tables = outer + (table,)
+    local.tables = outer + (entry,)
     try:
         yield
     finally:
