@@ -405,16 +405,21 @@ def test_scaling_on_machines_reports_throughput_against_the_ideal_line(tmp_path)
     runs = tmp_path / "scaling"
     runs.mkdir()
     machines = {"cpus": 0.2, "colocate": False, "quota_period_ms": 10}
-    for w, throughput in ((1, 100.0), (2, 190.0), (4, 360.0), (8, 640.0)):
-        name = os.path.basename(scaling.run_file("text", "loopback-cpu0.2", w, 1, 32))
-        (runs / name).write_text(json.dumps(_scaling_run(w, 3.0, throughput=throughput,
-                                                         machines=machines)))
+    for batch, top in ((32, 640.0), (128, 720.0)):
+        for w, throughput in ((1, 100.0), (2, 190.0), (4, 360.0), (8, top)):
+            name = os.path.basename(scaling.run_file("text", "loopback-cpu0.2", w, 1, batch))
+            (runs / name).write_text(json.dumps(_scaling_run(w, 3.0, throughput=throughput,
+                                                             machines=machines)))
     text = open(scaling.summarize(str(tmp_path), plots=False)).read()
     # 640 examples/s on 8 machines against 8 x 100 on one: 0.80 of the ideal line.
     assert ("| text | loopback-cpu0.2 | 32 per worker | hybrid | 1: 100, 2: 190, 4: 360, "
             "8: 640 examples/s | 0.80 (W = 8) |") in text
-    assert report.scaling_efficiency("text", results_dir=str(tmp_path)) == pytest.approx(0.8)
-    assert report.scaling_efficiency("lm", results_dir=str(tmp_path)) is None
+    # One efficiency per batch, smallest batch first.
+    efficiencies = report.scaling_efficiencies("text", results_dir=str(tmp_path))
+    assert list(efficiencies) == ["32 per worker", "128 per worker"]
+    assert efficiencies["32 per worker"] == pytest.approx(0.8)
+    assert efficiencies["128 per worker"] == pytest.approx(0.9)
+    assert report.scaling_efficiencies("lm", results_dir=str(tmp_path)) == {}
 
 
 def _recommender_run(steps, hybrid, pss, date):
@@ -452,6 +457,28 @@ def test_targets_on_machines_of_their_own_are_read_from_those_runs_only():
                 "1 Gbit/s, machines of 0.4 core (10 ms period, worker i + ps i colocated): "
                 "hybrid ahead of every contender (pss), the least ratio of examples/s"] == (
                     "0.80x", False)
+
+
+def _lm_run(workers, ps, hybrid, steps=20, cpus=0.2, colocate=False):
+    return {"model": "lm", "date": "2026-01-01", "network": {"mode": "netns", "link_gbit": 1},
+            "config": {"workers": workers, "ps": ps, "repeats": 3, "warmup": 3,
+                       "steps": steps, "global_batch": 128 * workers},
+            "machines": {"cpus": cpus, "quota_period_ms": 10.0, "colocate": colocate},
+            "contenders": [{"contender": "hybrid", "status": "ok", "units_per_s": hybrid}]}
+
+
+def test_efficiency_between_two_clusters_takes_each_end_from_its_own_runs():
+    # 8 workers + 2 ps at 6,400 tokens/s against 8 x 1,000 on 1 worker + 1 ps: 0.80; the
+    # colocated run, another share and 8 workers + 1 ps are other clusters.
+    runs = [_lm_run(1, 1, 1000.0), _lm_run(8, 2, 6400.0), _lm_run(8, 1, 5000.0),
+            _lm_run(8, 2, 7900.0, cpus=0.33), _lm_run(8, 2, 7900.0, colocate=True),
+            _lm_run(8, 2, 100.0, steps=10)]
+    assert report.efficiency_between(runs, "lm", 128, (1, 1), (8, 2), 0.2) == pytest.approx(0.8)
+    assert report.efficiency_between(runs, "lm", 32, (1, 1), (8, 2), 0.2) is None
+    rows = {name: (value, met) for name, value, met in report.targets(runs)}
+    assert rows["lm, 1 worker + 1 ps to 8 workers + 2 ps (a ps per 4 workers) on machines of "
+                "0.2 core, 128 per worker (Parallax's LM1B batch), median of 3 each: hybrid "
+                "scaling efficiency >= 0.8"] == ("0.80", True)
 
 
 def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
