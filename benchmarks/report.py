@@ -705,7 +705,10 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "- **A step with no model** (the CPU a synchronous step's transfers cost all "
              "tasks at W workers, sized after the recommender, against the hybrid and one "
              "process training it): [step_floor.md](step_floor.md), from `python -m "
-             "benchmarks.step_floor`.",
+             "benchmarks.step_floor`; **a transfer's CPU per MB** between two processes on "
+             "loopback and across the emulated network, with and without its rate limit: "
+             "[transfer_cost.md](transfer_cost.md), from `python -m "
+             "benchmarks.transfer_cost`.",
              "- **Dynamic vocabularies** (per-id cost on a ps of MutableHashTable, "
              "DenseHashTable and an id-to-row remap against today's gather and scatter-add, "
              "exports, memory per id): [dynamic_table_cost.md](dynamic_table_cost.md), from "

@@ -481,6 +481,29 @@ def test_efficiency_between_two_clusters_takes_each_end_from_its_own_runs():
                 "scaling efficiency >= 0.8"] == ("0.80", True)
 
 
+def _round_trips(scalar_ms, tensor_ms):
+    return {"scalar": {"wall_ms": 1.0, "client_cpu_ms": scalar_ms, "server_cpu_ms": scalar_ms},
+            "tensor": {"wall_ms": 5.0, "client_cpu_ms": tensor_ms, "server_cpu_ms": tensor_ms}}
+
+
+def test_transfer_cost_reports_each_network_per_mb_against_loopback():
+    from benchmarks import transfer_cost
+
+    # 4 MB each way: each process moves 8 MB per call. Loopback 0.5 + 2.4 ms: 0.30 ms/MB;
+    # the other network's runs 0.45, 0.60 and 0.90 ms/MB: the median, 0.60, is 2.00x.
+    result = {"command": "python -m benchmarks.transfer_cost", "mb": 4.0, "calls": 10,
+              "rounds": 3, "machine": {"nproc": 2, "cpu": "test", "python": "3.11"},
+              "networks": [{"network": "loopback", "runs": [_round_trips(0.5, 2.9)] * 3},
+                           {"network": "emulated", "runs": [_round_trips(0.5, 5.3),
+                                                            _round_trips(0.5, 4.1),
+                                                            _round_trips(0.5, 7.7)]}]}
+    assert transfer_cost.per_mb(_round_trips(0.5, 2.9), 4.0) == {
+        "client": pytest.approx(0.3), "server": pytest.approx(0.3)}
+    text = transfer_cost.markdown(result)
+    assert "| loopback | 1.00 / 5.00 | 0.50 / 2.90 | 0.50 / 2.90 | 0.30 / 0.30 (0.30, 0.30, 0.30) | 1.00x |" in text
+    assert "| emulated | 1.00 / 5.00 | 0.50 / 5.30 | 0.50 / 5.30 | 0.60 / 0.60 (0.45, 0.60, 0.90) | 2.00x |" in text
+
+
 def test_run_refuses_steps_per_execution_that_does_not_divide_the_window():
     done = _run_harness("--contenders", "hybrid", "--steps", "10", "--warmup", "5",
                         "--steps-per-execution", "4", "--loopback")
