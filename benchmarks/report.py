@@ -230,10 +230,10 @@ def _ratio(run, a, b):
     return x["units_per_s"] / y["units_per_s"] if x and y else None
 
 
-def _is_target_cluster(run, ps, machines=None):
-    """4 workers + `ps` ps on 1 Gbit/s links; tasks sharing this machine's cores, or with
-    `machines` "own" / "colocated", on emulated machines of the default quota period with
-    pools for the share, one per task or worker i and ps i on one."""
+def _is_target_cluster(run, ps, machines=None, workers=4):
+    """`workers` workers + `ps` ps on 1 Gbit/s links; tasks sharing this machine's cores,
+    or with `machines` "own" / "colocated", on emulated machines of the default quota
+    period with pools for the share, one per task or worker i and ps i on one."""
     net, m = run["network"], run.get("machines")
     if machines is None:
         cores = not m
@@ -241,7 +241,7 @@ def _is_target_cluster(run, ps, machines=None):
         cores = (bool(m) and m["colocate"] == (machines == "colocated")
                  and m["quota_period_ms"] == cpu_groups.DEFAULT_PERIOD_MS
                  and m.get("thread_sizing", "share") == "share")
-    return (run["config"]["workers"] == 4 and run["config"]["ps"] == ps
+    return (run["config"]["workers"] == workers and run["config"]["ps"] == ps
             and net["mode"] == "netns" and net.get("link_gbit") == 1 and cores)
 
 
@@ -393,13 +393,11 @@ def efficiency_between(runs, model, per_worker, small, large, cpus, contender="h
     each), 1 Gbit/s links and `per_worker` examples per worker; each the run measured
     longest; None unless both were measured."""
     def measures(run, workers, ps):
-        m, cfg = run.get("machines"), run["config"]
         return (run["model"] == model and not run.get("quick") and not run.get("profiled")
-                and (cfg["workers"], cfg["ps"]) == (workers, ps)
-                and cfg["global_batch"] == per_worker * workers
-                and run["network"].get("link_gbit") == 1 and bool(m) and m["cpus"] == cpus
-                and not m["colocate"] and m["quota_period_ms"] == cpu_groups.DEFAULT_PERIOD_MS
-                and m.get("thread_sizing", "share") == "share" and _ok(run, contender))
+                and _is_target_cluster(run, ps, machines="own", workers=workers)
+                and run["machines"]["cpus"] == cpus
+                and run["config"]["global_batch"] == per_worker * workers
+                and _ok(run, contender))
 
     throughput = {}
     for workers, ps in (small, large):

@@ -19,7 +19,6 @@ Results go to benchmarks/results/transfer_cost.json and .md.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -48,7 +47,11 @@ def serve(addresses):
 
 def client(addresses, server_pid, mb, calls):
     """Runs as worker 0: times both round trips; prints one JSON line."""
-    _wait_for(addresses[1])
+    from hybrid_strategy.cluster import config as cluster  # pylint: disable=import-outside-toplevel
+    # Worker 1 may still be starting; worker 0's server starts with the connection below.
+    cluster.wait_for_tasks(cluster.parse_tf_config(json.dumps(
+        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 0}})),
+        timeout=60, skip=(("worker", 0),))
     tf = _threads()
     tf.config.experimental_connect_to_cluster(
         tf.train.ClusterSpec({"worker": addresses}), job_name="worker", task_index=0)
@@ -78,21 +81,6 @@ def client(addresses, server_pid, mb, calls):
         cost[name] = {"wall_ms": 1000 * wall / calls, "client_cpu_ms": 1000 * used[0] / calls,
                       "server_cpu_ms": 1000 * used[1] / calls}
     print(json.dumps(cost), flush=True)
-
-
-def _wait_for(address, timeout=60.0):
-    """Returns once `address` ("host:port") accepts connections; raises after `timeout` s."""
-    host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker 1 did not listen on {address} within "
-                                   f"{timeout:g} s") from None
-            time.sleep(0.2)
 
 
 def measure(network, mb, calls):
