@@ -13,6 +13,7 @@ import numbers
 
 from hybrid_strategy.communication import wire
 from hybrid_strategy.placement import plan as placement_lib
+from hybrid_strategy.placement import topology
 from hybrid_strategy.tables import sparse_optimizers
 
 
@@ -37,6 +38,7 @@ class StrategyOptions:
     connect_timeout: float = 60.0
     task_timeout: float = 60.0
     asynchronous: bool = False
+    dense_sum: str = "auto"
 
     @classmethod
     def from_kwargs(cls, kwargs):
@@ -49,6 +51,9 @@ class StrategyOptions:
         return cls(**kwargs)
 
     def __post_init__(self):
+        if self.dense_sum not in topology.DENSE_SUMS:
+            raise ValueError(f"dense_sum={self.dense_sum!r}; use one of "
+                             f"{topology.DENSE_SUMS}.")
         if self.sparse_update not in sparse_optimizers.MODES:
             raise ValueError(f"sparse_update={self.sparse_update!r}; use one of "
                              f"{sparse_optimizers.MODES}.")

@@ -49,6 +49,7 @@ from hybrid_strategy.input import worker_input
 from hybrid_strategy.keras_integration import batches
 from hybrid_strategy.keras_integration import collective_hooks
 from hybrid_strategy.keras_integration import install
+from hybrid_strategy.placement import topology as topology_lib
 from hybrid_strategy.placement import variables
 from hybrid_strategy.tables import mirrored_reads
 from hybrid_strategy.tables import table as table_lib
@@ -135,6 +136,11 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             batches and applies its own updates, without waiting for the other
             workers, as Parallax's asynchronous PS training (asynchronous/training.py says
             what a step and the logs are then). Off by default.
+        dense_sum: Where the dense gradients of mirrored variables are summed
+            across workers on a cluster: "auto" (default: on the first PS task, in
+            the step's exchange with it, while the bytes it receives per step stay
+            small, 4 MiB; else by an all-reduce among the workers), "ps" or
+            "allreduce".
     """
 
     def __init__(self, cluster_resolver=None, **options):
@@ -229,11 +235,13 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             self._communication_options = self._communication_options.merge(
                 options.communication_options)
         self._dense_all_reduce = None
-        if hierarchical_allreduce.applies(
-                self._devices, self._communication_options.implementation.value):
+        implementation = self._communication_options.implementation.value
+        if hierarchical_allreduce.on_cpus(self._devices, implementation):
             self._dense_all_reduce = hierarchical_allreduce.HierarchicalAllReduce(
-                self._devices, self._collective_keys, self._communication_options)
+                self._devices, self._collective_keys, self._communication_options,
+                hierarchical_allreduce.applies(self._devices, implementation))
             collective_hooks.fix_instance_keys(self._dense_all_reduce.launchers)
+        self._dense_sum = options.dense_sum
         self._cross_device_ops = self._collective_ops
         self._inferred_cross_device_ops = self._collective_ops
         self.experimental_enable_get_next_as_optional = True
@@ -283,6 +291,13 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             # Within one worker's step: its replicas' values meet on its host.
             return self._worker_reduction
         return super()._get_cross_device_ops(value)
+
+    @property
+    def pushes(self):
+        """Whether a synchronous step's gradients go to PS tasks of a cluster, with what
+        rides with them (communication/riders.py)."""
+        return (self.cluster is not None and bool(self._ps_devices)
+                and self.worker_scope is None and self.policy.architecture != "allreduce")
 
     @property
     def spans_devices(self):
@@ -377,9 +392,19 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
 
     # Gradient aggregation ----------------------------------------------------
 
+    def step_topology(self):
+        """The `StepTopology` of a step traced now (one worker's under an asynchronous step)."""
+        return topology_lib.StepTopology(self._devices, self._ps_devices, self._dense_sum,
+                                         on_cluster=self.cluster is not None)
+
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        return routing.batch_reduce(self, reduce_op, value_destination_pairs, options,
-                                    super()._batch_reduce_to)
+        reduced = routing.batch_reduce(self.step_topology(), reduce_op,
+                                       value_destination_pairs, options,
+                                       super()._batch_reduce_to, self._dense_all_reduce)
+        for table, sparse in reduced.gradient_types:
+            self.placer.record_gradient_type(table, sparse)
+        self.ps_aggregated.update(reduced.aggregated)
+        return reduced.values
 
     # Updates -----------------------------------------------------------------
 

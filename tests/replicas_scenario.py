@@ -9,7 +9,8 @@ devices each, 1 ps and a tf.data service of 2 workers; prints its report as JSON
 - equivalence: scenario.py's cases (tables on the PS, dense layers, optimizers with
   slots) on the 4 replicas, against single-device training;
 - aggregation: where a traced step sums a table's sparse gradients (per worker, then
-  on the ps) and a dense kernel's (per worker, then all-reduced across workers);
+  on the ps) and a dense kernel's (per worker, then all-reduced across workers, or with
+  the strategy's default, summed on the ps);
 - counting: every example used once in an epoch with a final partial batch;
 - the tf.data service: a dataset preprocessed by the service's workers, 3 epochs, each
   element used once per epoch (counted), and the steps each epoch took;
@@ -43,10 +44,10 @@ SERVICE_BATCH = 8
 SERVICE_EPOCHS = 3
 
 
-def aggregation_case(make_strategy):
+def aggregation_case(make_strategy, dense_sum="allreduce"):
     """Devices of the ops that sum a table's sparse gradient and a dense kernel's gradient
     over the replicas in a traced step."""
-    strategy = make_strategy()
+    strategy = make_strategy(dense_sum=dense_sum)
     with strategy.scope():
         model = scenario.build_model()
     table = scenario.raw_variable(model.get_layer("embedding").embeddings)
@@ -70,7 +71,7 @@ def aggregation_case(make_strategy):
     for op in summed.get_concrete_function(batch).graph.get_operations():
         for scope, op_type in (("local_aggregation", "ConcatV2"), ("ps_aggregation", "ConcatV2"),
                                ("local_sum", "AddN"), ("exchange", "AddV2"),
-                               ("", "CollectiveReduceV2")):
+                               ("ps_dense_sum", "AddN"), ("", "CollectiveReduceV2")):
             if scope in op.name and op.type == op_type:
                 ops.setdefault(scope or op_type, []).append(
                     [op.device, len(op.inputs) - (op_type == "ConcatV2")])  # less the axis
@@ -167,6 +168,7 @@ def main():
               for name in EQUIVALENCE}
     report["count"] = scenario.counting_case(make_strategy, "dataset")
     report["aggregation"] = aggregation_case(make_strategy)
+    report["aggregation_on_ps"] = aggregation_case(make_strategy, dense_sum="auto")
     report["service"] = service_case(make_strategy)
     if not async_scenario.LEGACY:
         report["asynchronous"] = async_scenario.report(

@@ -427,9 +427,12 @@ def strategy_maker(argv, **options):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local-replicas", type=int, default=0,
                         help="run on this machine alone with this many CPU replicas")
+    parser.add_argument("--dense-sum", default="auto",
+                        help="HybridStrategy's dense_sum (auto: on the PS, at 2 workers)")
     args = parser.parse_args(argv)
     make_strategy = functools.partial(hybrid_strategy.HybridStrategy,
-                                      min_shard_bytes=MIN_SHARD_BYTES, **options)
+                                      min_shard_bytes=MIN_SHARD_BYTES,
+                                      dense_sum=args.dense_sum, **options)
     if args.local_replicas:
         make_strategy = functools.partial(
             make_strategy, devices=local_cpu_replicas(args.local_replicas))

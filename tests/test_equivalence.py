@@ -22,11 +22,12 @@ SCENARIO = os.path.join(HERE, "scenario.py")
 TOLERANCE = 1e-5
 
 
-# name -> (launch arguments, Keras flavour). Keras 3 on 1 ps (tables whole) and on 3
-# (tables split, unevenly: 167, 167 and 166 rows); tf_keras on 2.
+# name -> (launch arguments, Keras flavour). Keras 3 on 1 ps (tables whole, the dense
+# gradients summed on the ps) and on 3 (tables split, unevenly: 167, 167 and 166 rows;
+# the dense gradients all-reduced by the workers); tf_keras on 2.
 SHAPES = {
     "2workers_1ps": (on_cluster(SCENARIO, ps=1), "keras3"),
-    "2workers_3ps": (on_cluster(SCENARIO, ps=3), "keras3"),
+    "2workers_3ps": (on_cluster(SCENARIO, "--dense-sum", "allreduce", ps=3), "keras3"),
     "one_machine": ([SCENARIO, "--local-replicas", "2"], "keras3"),
     "tf_keras_2workers_2ps": (on_cluster(SCENARIO, ps=2), "tf_keras"),
     "tf_keras_one_machine": ([SCENARIO, "--local-replicas", "2"], "tf_keras"),

@@ -103,6 +103,19 @@ def test_a_workers_replicas_are_summed_on_that_worker_first(report):
     assert aggregation["large"] == {"CollectiveReduceV2": 2}
 
 
+def test_a_small_dense_gradient_is_summed_on_the_ps_from_each_workers_sum(report):
+    aggregation = report["aggregation_on_ps"]
+    ops = aggregation["ops"]
+    hosts = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in (0, 1)]
+    # Each worker adds its 2 replicas' gradients, the ps adds the 2 workers' sums.
+    assert sorted(ops["local_sum"]) == [[host, 2] for host in hosts]
+    assert [inputs for _, inputs in ops["ps_dense_sum"]] == [2]
+    assert all(device.startswith("/job:ps/replica:0/task:0/") for device, _ in
+               ops["ps_dense_sum"])
+    assert "exchange" not in ops and "CollectiveReduceV2" not in ops
+    assert aggregation["large"] == {}
+
+
 def test_data_service_uses_every_element_once_per_epoch(report):
     service = report["service"]
     uses = service["uses_per_epoch"]

@@ -1,8 +1,9 @@
 """Routes a step's gradients: PS tables' to their PS, mirrored variables' to the all-reduce.
 
 ```python
-results = routing.batch_reduce(extended, tf.distribute.ReduceOp.SUM, pairs, options,
-                               collective_reduce)
+reduced = routing.batch_reduce(topology, tf.distribute.ReduceOp.SUM, pairs, options,
+                               collective_reduce, dense_sum)
+print(reduced.values, reduced.aggregated)
 ```
 """
 
@@ -13,62 +14,167 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 
 from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.communication import hierarchical_allreduce
+from hybrid_strategy.communication import riders
+from hybrid_strategy.communication import wire
 from hybrid_strategy.tables import penalties
 from hybrid_strategy.tables import table as table_lib
 
 
-def batch_reduce(extended, reduce_op, value_destination_pairs, options, collective_reduce):
+class Reduced:
+    """`batch_reduce`'s result: the reduced values, and what the step showed of the tables.
+
+    Attributes:
+        values: One reduced value per (value, destination) pair, in order.
+        gradient_types: `[(table, sparse)]`: each PS table's gradient, sparse or dense.
+        aggregated: The PS tables whose gradients were summed per worker and on their PS.
+    """
+
+    def __init__(self, values, gradient_types, aggregated):
+        self.values = values
+        self.gradient_types = gradient_types
+        self.aggregated = aggregated
+
+
+def batch_reduce(topology, reduce_op, value_destination_pairs, options, collective_reduce,
+                 dense_sum=None):
     """The strategy's `_batch_reduce_to`: each gradient summed where it is cheapest.
 
-    A PS table's sparse gradient is summed per worker and on its PS (aggregation.py),
-    its dense gradient shard by shard; a mirrored variable's is all-reduced, by the
-    hierarchical sum where it applies, else by `collective_reduce` (TensorFlow's).
+    A PS table's gradient, sparse or dense, is summed per worker and on its shards' PS
+    tasks (aggregation.py); a mirrored variable's dense gradient is summed on the
+    `topology`'s reducer PS in the same exchange where that pays (`dense_sum.sum_on_ps_pays`),
+    else all-reduced by `dense_sum` (hierarchical_allreduce.py) where it takes it, else by
+    `collective_reduce` (TensorFlow's). Every worker sends each PS task one tensor.
+
+    Args:
+        topology: The step's `StepTopology`.
+        dense_sum: A `HierarchicalAllReduce` over the topology's replicas, or None.
+    Returns:
+        A `Reduced`.
     """
-    results = [None] * len(value_destination_pairs)
-    collective, sparse, tables, shard_sums, penalty_of = [], [], {}, {}, {}
-    for i, (value, destinations) in enumerate(value_destination_pairs):
-        tables[i] = table = _table_of_gradient(value)
+    devices = topology.replica_devices
+    pairs = list(value_destination_pairs)
+    results = [None] * len(pairs)
+    push = communication.Push(devices)
+    mirrored, sparse, dense, penalty_of, gradient_types = [], {}, {}, {}, []
+    for i, (value, destinations) in enumerate(pairs):
+        table = _table_of_gradient(value)
         if table is None:
-            collective.append(i)
+            mirrored.append(i)
             continue
         parts = components(value)
-        extended.placer.record_gradient_type(table, isinstance(parts[0], tf.IndexedSlices))
-        if isinstance(parts[0], tf.IndexedSlices):
+        is_sparse = isinstance(parts[0], tf.IndexedSlices)
+        gradient_types.append((table, is_sparse))
+        if is_sparse:
             parts, penalty = penalties.without_markers(parts, table)
-            sparse.append((i, (parts, table)))
-            penalty_of[i] = penalty
+            sparse[i] = (table, push.add_sparse(parts, table))
+            if penalty is not None:
+                penalty_of[i] = push.put_per_worker(
+                    penalty, [shard.device for shard in table.shards])
         else:
-            shard_sums[i] = communication.sum_dense(parts, extended._devices, table)
-    # Every table's rows at once: a worker's parts bound for one PS cross together.
-    sums = communication.sum_sparse([pair for _, pair in sparse], extended._devices)
-    shard_sums.update((i, penalties.with_gradient(s, penalty_of[i], tables[i]))
-                      for (i, _), s in zip(sparse, sums))
-    for i, sums in shard_sums.items():
-        table = tables[i]
-        if reduce_op == tf.distribute.ReduceOp.MEAN:
-            sums = [_scaled(s, 1.0 / extended._num_replicas_in_sync) for s in sums]
-        total = communication.shard_summed(sums, table)
-        results[i] = values_lib.Mirrored((total,) * extended._num_replicas_in_sync)
-        extended.ps_aggregated.add(table.path)
+            dense[i] = (table, push.add_dense(parts, table))
     # A PS table as destination (tf_keras names the variables) would make TF
     # reduce value by value; its update reads one replica's copy anyway.
-    pairs = {i: (value, value if table_lib.is_table(destinations) else destinations)
-             for i, (value, destinations) in
-             ((i, value_destination_pairs[i]) for i in collective)}
-    dense_sum = extended._dense_all_reduce
-    per_worker = [i for i in collective if dense_sum is not None
-                  and dense_sum.accepts(components(pairs[i][0]), pairs[i][1])]
-    if per_worker:
-        reduced = dense_sum.all_reduce(
-            reduce_op, [components(pairs[i][0]) for i in per_worker], options)
-        for i, values in zip(per_worker, reduced):
-            results[i] = distribute_utils.regroup(tuple(values), values_lib.Mirrored)
-    collective = [i for i in collective if i not in per_worker]
+    for i in mirrored:
+        value, destinations = pairs[i]
+        pairs[i] = (value, value if table_lib.is_table(destinations) else destinations)
+    summable = [i for i in mirrored if dense_sum is not None
+                and dense_sum.accepts(components(pairs[i][0]), pairs[i][1])]
+    on_ps = _summed_on_ps(topology, [components(pairs[i][0]) for i in summable])
+    worker_sums = None
+    if on_ps:
+        worker_sums = dense_sum.sum_per_worker([components(pairs[i][0]) for i in summable])
+        tickets = [[push.put(leader, topology.reducer, total)
+                    for leader, total in zip(dense_sum.leaders, totals)]
+                   for totals in worker_sums.per_dtype]
+    carried = _riding(push, topology)
+    push.deliver()
+    carried()
+    aggregated = []
+    for i, (table, number) in list(sparse.items()) + list(dense.items()):
+        sums = push.sparse_sums(number) if i in sparse else push.dense_sums(number)
+        if i in penalty_of:
+            sums = penalties.with_gradient(
+                sums, [[push.arrived(t) for t in penalty_of[i][shard.device]]
+                       for shard in table.shards], table)
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            sums = [_scaled(s, 1.0 / topology.num_replicas) for s in sums]
+        total = communication.shard_summed(sums, table)
+        results[i] = values_lib.Mirrored((total,) * topology.num_replicas)
+        aggregated.append(table.path)
+    if on_ps:
+        reduced = dense_sum.to_replicas(reduce_op, worker_sums,
+                                        _summed_on(topology.reducer, push, tickets,
+                                                   dense_sum.leaders))
+        _regrouped(results, summable, reduced)
+    elif summable and dense_sum.replaces_collectives:
+        _regrouped(results, summable, dense_sum.all_reduce(
+            reduce_op, [components(pairs[i][0]) for i in summable], options))
+    else:
+        summable = []
+    collective = [i for i in mirrored if i not in summable]
     if collective:
         reduced = collective_reduce(reduce_op, [pairs[i] for i in collective], options)
         for i, value in zip(collective, reduced):
             results[i] = _merge_duplicate_rows(value)
-    return results
+    return Reduced(results, gradient_types, aggregated)
+
+
+def _riding(push, topology):
+    """Puts what rides with the push (riders.py) in it; returns what to call once it is
+    delivered."""
+    summed, sent = riders.taken_by_push()
+    destinations = push.destinations
+    if not destinations:
+        return lambda: None
+    sent_tickets = [(key, destination, push.put(push.first_worker, destination, tensor))
+                    for key, tensor in sent.items() for destination in destinations]
+    if topology.reducer is None:
+        summed = []
+    summed_tickets = [[push.put_per_worker(group, [topology.reducer])[topology.reducer]
+                       for group in state.read()] for state in summed]
+
+    def arrived():
+        for key, destination, ticket in sent_tickets:
+            riders.arrived(key, destination, push.arrived(ticket))
+        for state, groups in zip(summed, summed_tickets):
+            with tf.device(topology.reducer), tf.name_scope("ps_state_sum"):
+                state.deliver([tf.add_n([push.arrived(t) for t in tickets])
+                               for tickets in groups])
+
+    return arrived
+
+
+def _summed_on_ps(topology, per_replica_values):
+    """Whether the dense values (one tensor per replica each) are summed on the reducer."""
+    if not per_replica_values or topology.reducer is None or topology.dense_sum == "allreduce":
+        return False
+    if topology.dense_sum == "ps":
+        return True
+    dense_bytes = sum(values[0].shape.num_elements() * values[0].dtype.size
+                      if values[0].shape.is_fully_defined() else float("inf")
+                      for values in per_replica_values)
+    return hierarchical_allreduce.sum_on_ps_pays(topology.num_workers, dense_bytes)
+
+
+def _summed_on(reducer, push, tickets, leaders):
+    """The workers' vectors that arrived on `reducer` (tickets per dtype, per worker),
+    summed there and sent back to each worker's first device, in one tensor each."""
+    back = wire.Outbox()
+    returned = []
+    for group in tickets:
+        with tf.device(reducer), tf.name_scope("ps_dense_sum"):
+            arrived = [push.arrived(ticket) for ticket in group]
+            total = tf.add_n(arrived) if len(arrived) > 1 else arrived[0]
+        returned.append([back.put(reducer, leader, total) for leader in leaders])
+    delivered = back.deliver()
+    return [[delivered[ticket] for ticket in group] for group in returned]
+
+
+def _regrouped(results, positions, reduced):
+    for i, values in zip(positions, reduced):
+        results[i] = distribute_utils.regroup(tuple(values), values_lib.Mirrored)
+
 
 def components(value):
     """The replicas' values in `value` (itself, if it is one tensor)."""
@@ -116,6 +222,7 @@ def shard_gradients(grad, table):
     if isinstance(grad, tf.IndexedSlices):
         (grad,), penalty = penalties.without_markers([grad], table)
         parts = table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
-        return penalties.with_gradient(parts, penalty, table)
+        return penalties.with_gradient(
+            parts, None if penalty is None else [penalty] * table.num_shards, table)
     penalties.check_not_dropped(table)
     return table_lib.split_dense(grad, table.num_shards)

@@ -32,6 +32,7 @@ from hybrid_strategy.keras_integration import mirroring_hooks
 from hybrid_strategy.keras_integration import multi_step
 from hybrid_strategy.keras_integration import optimizer_hooks
 from hybrid_strategy.keras_integration import penalty_hooks
+from hybrid_strategy.keras_integration import push_hooks
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.keras_integration import side_effect_hooks
 from hybrid_strategy.keras_integration import table_hooks
@@ -55,6 +56,9 @@ class Gates:
 
     def spans_devices(self, strategy):
         return self.is_hybrid(strategy) and strategy.extended.spans_devices
+
+    def pushes(self, strategy):
+        return self.is_hybrid(strategy) and strategy.extended.pushes
 
     def extended(self, strategy):
         return strategy.extended if self.is_hybrid(strategy) else None
@@ -89,6 +93,7 @@ def install_all(strategy_class, connected):
     multi_step.install(gates.spans_devices)
     asynchronous_hooks.install(gates.asynchronous_scope)
     clipping_hooks.install(gates.under_hybrid_strategy)
+    push_hooks.install(gates.pushes)
     loss_scaling_hooks.install(gates.under_hybrid_strategy)
     side_effect_hooks.order_per_task()
     optimizer_hooks.install()

@@ -39,6 +39,7 @@ import weakref
 import tensorflow as tf
 
 from hybrid_strategy import versions
+from hybrid_strategy.communication import riders
 from hybrid_strategy.input import end_of_data
 from hybrid_strategy.keras_integration import registry
 
@@ -96,11 +97,28 @@ class PackedLogs:
         self._reduce_per_replica = reduce_per_replica
         self._structure, self._scalars = None, ()
 
-    def pack(self, outputs):
+    def summed_with_push(self):
+        """Registers the metrics' state to ride with the step's push (riders.py); the
+        `Summed` to hand `pack`, or None where no push carries it."""
+        if not self._strategy.extended.pushes:
+            return None
+        groups = list(_summable_by_dtype(self._model.metrics,
+                                         self._strategy.num_replicas_in_sync).values())
+        if not groups:
+            return None
+        return riders.summed_with_push(lambda: [
+            self._per_replica(variables) for variables in groups])
+
+    def pack(self, outputs, state=None):
+        """`state`: the metrics' state summed on the reducer PS by the step's push
+        (`summed_with_push`); the logs are then computed there."""
         strategy = self._strategy
         devices = strategy.extended.worker_devices
-        with tf.device(devices[0]):
-            results = self._metric_results()
+        summed = state.result() if state is not None else None
+        # The logs are made where the state was summed, the first replica's device or the PS.
+        home = devices[0] if summed is None else summed[0].device
+        with tf.device(home):
+            results = self._metric_results(summed)
         if isinstance(outputs, dict) and set(outputs) == set(results):
             outputs = {key: results[key] for key in outputs}
         flat = tf.nest.flatten(outputs)
@@ -115,7 +133,7 @@ class PackedLogs:
                     strategy.experimental_local_results(flat[i]) for i in per_replica))):
                 with tf.device(device):
                     vectors.append(tf.stack(values))
-            with tf.device(devices[0]):
+            with tf.device(home):
                 means = iter(tf.unstack(tf.reduce_mean(tf.stack(vectors), axis=0))
                              if vectors else ())
                 packed["logs"] = tf.stack([next(means) if i in per_replica else flat[i]
@@ -132,25 +150,34 @@ class PackedLogs:
                 for i in range(len(self._scalars) + len(packed["rest"]))]
         return tf.nest.pack_sequence_as(self._structure, flat)
 
-    def _metric_results(self):
-        """The model's metric results, from their state summed over the replicas."""
+    def _per_replica(self, variables):
+        """Each replica's state of `variables` (metric variables of one dtype) as one
+        vector, on the replica's device."""
+        strategy = self._strategy
+        vectors = []
+        for r, device in enumerate(strategy.extended.worker_devices):
+            with tf.device(device):
+                vectors.append(tf.concat([tf.reshape(tf.convert_to_tensor(
+                    strategy.experimental_local_results(v.value)[r]), [-1])
+                    for v in variables], 0))
+        return vectors
+
+    def _metric_results(self, summed=None):
+        """The model's metric results, from their state summed over the replicas (here,
+        or `summed`: the sums of `summed_with_push`'s groups, made by the push)."""
         import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
 
-        strategy = self._strategy
-        devices = strategy.extended.worker_devices
-        summed = []
-        for variables in _summable_by_dtype(self._model.metrics, len(devices)).values():
-            vectors = []
-            for r, device in enumerate(devices):
-                with tf.device(device):
-                    vectors.append(tf.concat([tf.reshape(tf.convert_to_tensor(
-                        strategy.experimental_local_results(v.value)[r]), [-1])
-                        for v in variables], 0))
-            parts = tf.split(tf.add_n(vectors), [math.prod(v.shape) for v in variables])
+        replicas = self._strategy.num_replicas_in_sync
+        groups = list(_summable_by_dtype(self._model.metrics, replicas).values())
+        if summed is None:
+            summed = [tf.add_n(self._per_replica(variables)) for variables in groups]
+        state = []
+        for variables, total in zip(groups, summed):
+            parts = tf.split(total, [math.prod(v.shape) for v in variables])
             for v, part in zip(variables, parts):
                 value = tf.reshape(part, v.shape)
-                summed.append((v, value / len(devices) if v.aggregation == "mean" else value))
-        with keras.StatelessScope(state_mapping=summed):
+                state.append((v, value / replicas if v.aggregation == "mean" else value))
+        with keras.StatelessScope(state_mapping=state):
             return self._model.get_metrics_result()
 
 
@@ -210,7 +237,8 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
-        return logs.pack(strategy.run(step_function, args=(data,)))
+        state = logs.summed_with_push()
+        return logs.pack(strategy.run(step_function, args=(data,)), state)
 
     # Traced inline, not as a nested tf.function: a function call inside a
     # conditional that spans devices loses its captured inputs on TensorFlow 2.21.

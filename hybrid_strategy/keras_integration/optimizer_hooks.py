@@ -9,7 +9,8 @@
   would decay once per replica), decays tables through the strategy as the other
   optimizers do (`sparse_optimizers.decay_tables_once`).
 - A mirrored variable (learning rate, step count, loss scale) that the rules of one
-  step read on a PS task is sent there once (`mirrored_reads.reading_once`).
+  step read on a PS task is sent there once (`mirrored_reads.reading_once`), or not at
+  all where its value rode there with the step's gradients (communication/riders.py).
 
 ```python
 import hybrid_strategy
@@ -20,7 +21,10 @@ hybrid_strategy.HybridStrategy()   # calls optimizer_hooks.install()
 import functools
 import sys
 
+import tensorflow as tf
+
 from hybrid_strategy import versions
+from hybrid_strategy.communication import riders
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.tables import mirrored_reads
 from hybrid_strategy.tables import sparse_optimizers
@@ -78,6 +82,10 @@ def _decaying_tables_once(apply_weight_decay):
 def _reading_once(dense_var_to_tensor):
     @functools.wraps(dense_var_to_tensor)
     def dense_var_to_tensor_read_once(self, dtype=None, name=None, as_ref=False):
+        device = mirrored_reads.reading_on()
+        copy = None if device is None or as_ref else riders.copy_on(self.ref(), device)
+        if copy is not None:  # it rode with the step's gradients to this PS task
+            return tf.cast(copy, dtype or copy.dtype)
         return mirrored_reads.read(dense_var_to_tensor, self, dtype=dtype, name=name,
                                    as_ref=as_ref)
 

@@ -355,6 +355,20 @@ PATCHES = (
           "Clips the cross-replica sum of the gradients (PS table sums on their PS), as "
           "one device clips the whole batch's.",
           params=("self", "grads_and_vars")),
+    Patch("push_hooks.metrics_before_update", "keras",
+          "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.train_step", WRAP, SPANS,
+          "Keras' own step updates the metrics before it applies the gradients, so that "
+          "their state rides with the gradients to the PS (models keeping Keras' "
+          "compute_metrics, on a cluster with PS tasks).", params=("self", "data")),
+    Patch("push_hooks.update_waits_for_metrics", "keras",
+          "keras.src.optimizers.base_optimizer:BaseOptimizer.apply_gradients", WRAP, SPANS,
+          "Within that step, the optimizer's apply_gradients waits until the metrics are "
+          "updated.", params=("self", "grads_and_vars")),
+    Patch("push_hooks.update_reads_sent", "keras",
+          "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_update_step", WRAP,
+          SPANS, "The learning rate and step count the first replica reads ride with its "
+          "gradients to the PS tasks whose updates read them.",
+          params=("self", "grads", "trainable_variables", "learning_rate")),
     Patch("side_effect_hooks.order_per_task", "tensorflow",
           "tensorflow.python.framework.auto_control_deps:register_acd_resource_resolver",
           REGISTER, CLUSTER,

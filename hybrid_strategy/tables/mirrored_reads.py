@@ -60,6 +60,11 @@ class reading_once:  # pylint: disable=invalid-name
         _scope.reads, _scope.device = self._outer
 
 
+def reading_on():
+    """The device of the `reading_once` block being traced on this thread, or None."""
+    return getattr(_scope, "device", None)
+
+
 def forget(variable):
     """Reads of `variable` (being written) are made anew from now on."""
     ref = variable.ref()

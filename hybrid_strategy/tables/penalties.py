@@ -136,16 +136,18 @@ def with_gradient(shard_sums, coefficients, table):
     """Each shard's summed gradient plus the penalty's, formed on the shard's PS.
 
     `shard_sums` are `IndexedSlices` with shard-local rows, one per shard; the result
-    is one dense tensor per shard (every row has a gradient). `coefficients` (from
-    `without_markers`) None leaves `shard_sums` as they are.
+    is one dense tensor per shard (every row has a gradient). `coefficients`, one list
+    per shard of scalars that add up to the penalty's factor (`without_markers`' sums,
+    or their sums per worker as they arrived on the shard's PS), None leaves
+    `shard_sums` as they are.
     """
     if coefficients is None:
         return shard_sums
     regularizer = _penalties()[table.ref()].regularizer
     out = []
-    for shard, part in zip(table.shards, shard_sums):
+    for shard, part, factors in zip(table.shards, shard_sums, coefficients):
         with tf.device(shard.device), tf.name_scope("ps_penalty"):
-            coefficient = tf.add_n([tf.identity(c) for c in coefficients])
+            coefficient = tf.add_n([tf.identity(c) for c in factors])
             value = shard.read_value()
             with tf.GradientTape() as tape:
                 tape.watch(value)

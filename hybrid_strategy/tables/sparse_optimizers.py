@@ -175,7 +175,7 @@ def is_weight_decay(fn):
 
 
 def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy",
-                 concurrent=False):
+                 concurrent=False, copy_on=None):
     """Runs Keras' update closure `fn(variable, gradient, *args)` on `table`'s rows.
 
     `grads` holds the step's summed gradient of each shard of `table`, with
@@ -187,7 +187,8 @@ def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy",
 
     `concurrent=True` (asynchronous training: other steps may update the same rows
     meanwhile) writes each row's change since it was read, added by the shard's own
-    atomic operation, so that no step's update overwrites another's.
+    atomic operation, so that no step's update overwrites another's. `copy_on(tensor,
+    device)`: a copy of an argument already on the ps task's `device`, or None.
     """
     _check_mode(mode)
     kind = coupling(optimizer, table)
@@ -195,8 +196,10 @@ def update_table(optimizer, fn, table, grads, args=(), kwargs=None, mode="lazy",
     tables = [table] + _slots_of(optimizer, table)
     views = []
     for selection, grad in _selections(table, grads, mode, kind):
+        on_device = [_on(arg, selection.device, copy_on) for arg in args]
         views += _run_on(selection, tables, optimizer, fn,
-                         decays + [lambda grad=grad: fn(table, grad, *args, **(kwargs or {}))])
+                         decays + [lambda grad=grad, on_device=on_device:
+                                   fn(table, grad, *on_device, **(kwargs or {}))])
     return _flushed(views, concurrent)
 
 
@@ -384,6 +387,12 @@ def _selections(table, grads, mode, kind):
                      tf.concat([g for _, g in pairs], 0))]
         return [(_Selection(table, everything),
                  tf.ensure_shape(table_lib.join_dense([g for _, g in pairs]), table.shape))]
+
+
+def _on(value, device, copy_on):
+    """`value`, or its copy on `device` if `copy_on` knows one."""
+    copy = copy_on(value, device) if copy_on is not None and isinstance(value, tf.Tensor) else None
+    return value if copy is None else copy
 
 
 def _run_on(selection, tables, optimizer, update, steps):

@@ -66,6 +66,9 @@ from hybrid_strategy.tables import row_blocks
 _LOOKUPS = weakref.WeakKeyDictionary()
 # graph -> names of lookups' unique ids
 _DISTINCT = weakref.WeakKeyDictionary()
+# graph -> {name of a lookup's unique ids: (shard of each id or None, ids held on each
+# shard's PS task)}
+_IDS_ON_PS = weakref.WeakKeyDictionary()
 # graph -> refs of the tables read whole there while a gradient tape recorded
 _WHOLE_READS = weakref.WeakKeyDictionary()
 # Gradient-side ops that keep the rows' identity while reshaping or merging them.
@@ -626,61 +629,70 @@ def checked_ids(ids, num_rows, what):
 
 def _gather_rows(requests, for_export=False):
     """Rows for distinct ids of each `(table, unique ids)`: each shard gathers its own on
-    its PS, every PS task in parallel, with one exchange per task (`_fetch`)."""
+    its PS, every PS task in parallel, in one exchange per task: the ids a worker sends
+    a PS task, of every table, cross as one tensor, and the rows come back as one
+    (communication/wire.py), in each table's `wire_dtype`. The ids then held on each PS
+    are noted (`ids_on_ps`), for the gradients of these rows to cross without them."""
     if for_export:
         return [gen_resource_variable_ops.resource_gather(
                     table.saving_variable.handle, unique_ids, dtype=table.dtype)
                 for table, unique_ids in requests]
-    wanted = collections.OrderedDict()  # PS device -> [((request, shard), local ids)]
-    positions = []
-    for i, (table, unique_ids) in enumerate(requests):
+    outbox = wire.Outbox()
+    sent = []  # per request: (shard of each id or None, [ticket of each shard's ids])
+    for table, unique_ids in requests:
+        source = unique_ids.device
         if table.num_shards == 1:
-            local_ids, positions_i = [unique_ids], None
+            shard, local_ids = None, [unique_ids]
         else:
             shard, local = shard_of(unique_ids, table.num_shards)
             local_ids = tf.dynamic_partition(local, shard, table.num_shards)
-            positions_i = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard,
-                                               table.num_shards)
-        positions.append(positions_i)
-        for k, ids in enumerate(local_ids):
-            wanted.setdefault(table.shards[k].device, []).append(((i, k), ids))
-    fetched = {}
-    for device, parts in wanted.items():
-        rows = _fetch(device, [(requests[i][0], k, ids) for (i, k), ids in parts])
-        fetched.update(zip((key for key, _ in parts), rows))
+        sent.append((shard, [outbox.put(source, part.device, ids)
+                             for part, ids in zip(table.shards, local_ids)]))
+    arrived = outbox.deliver()
+    rows_outbox = wire.Outbox()
+    tickets = []
+    for (table, unique_ids), (shard, id_tickets) in zip(requests, sent):
+        held = []
+        for part, ticket in zip(table.shards, id_tickets):
+            ids = arrived[ticket]
+            held.append(ids)
+            with tf.device(part.device):
+                rows = gen_resource_variable_ops.resource_gather(part.handle, ids,
+                                                                 dtype=table.dtype)
+                rows = wire.to_wire(rows, table.wire_dtype)
+            tickets.append(rows_outbox.put(part.device, unique_ids.device, rows))
+        _note_ids_on_ps(unique_ids, shard, held)
+    returned = rows_outbox.deliver()
+    tickets = iter(tickets)
     rows = []
-    for i, ((table, _), positions_i) in enumerate(zip(requests, positions)):
-        parts = [fetched[(i, k)] for k in range(table.num_shards)]
-        rows.append(parts[0] if positions_i is None else tf.dynamic_stitch(positions_i, parts))
+    for (table, unique_ids), (shard, _) in zip(requests, sent):
+        parts = [wire.from_wire(returned[next(tickets)], table.dtype)
+                 for _ in range(table.num_shards)]
+        if shard is None:
+            rows.append(parts[0])
+        else:
+            positions = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard,
+                                             table.num_shards)
+            rows.append(tf.dynamic_stitch(positions, parts))
     return rows
 
 
-def _fetch(device, parts):
-    """Gathers the rows of `(table, shard number, local ids)` parts on `device`, their
-    PS task; parts whose rows are alike in dtypes cross both ways as one tensor
-    (communication/wire.py), rows in the table's `wire_dtype`."""
-    rows = [None] * len(parts)
-    for (dtype, wire_dtype), members in wire.alike(
-            (table.dtype, table.wire_dtype) for table, _, _ in parts):
-        group = [parts[j] for j in members]
-        if len(group) == 1 and wire_dtype is None:
-            table, k, ids = group[0]
-            with tf.device(device):
-                rows[members[0]] = gen_resource_variable_ops.resource_gather(
-                    table.shards[k].handle, ids, dtype=dtype)
-            continue
-        packed_ids, counts = wire.pack_ids([ids for _, _, ids in group])
-        with tf.device(device):
-            local_ids, _ = wire.unpack_ids(packed_ids, [ids.dtype for _, _, ids in group])
-            packed_rows = wire.pack_values(
-                [gen_resource_variable_ops.resource_gather(table.shards[k].handle, ids,
-                                                           dtype=dtype)
-                 for (table, k, _), ids in zip(group, local_ids)], wire_dtype)
-        unpacked = wire.unpack_values(packed_rows, counts,
-                                      [table.shape[1:] for table, _, _ in group], dtype)
-        for j, part in zip(members, unpacked):
-            rows[j] = part
-    return rows
+def _note_ids_on_ps(unique_ids, shard, held):
+    if not tf.executing_eagerly():
+        _IDS_ON_PS.setdefault(unique_ids.graph, {})[unique_ids.name] = (shard, tuple(held))
+
+
+def ids_on_ps(indices):
+    """`(shard of each id or None, ids held on each shard's PS task)` when `indices` are
+    the unique ids of one lookup (`lookup_many`), whose shard-local ids every shard's PS
+    task received for it; else None. The gradient of that lookup, split as `shard`
+    says (`tf.dynamic_partition`), has those ids, in that order, on each shard."""
+    if tf.executing_eagerly() or not hasattr(indices, "graph"):
+        return None
+    while indices.op.type == "Identity" and indices.name not in _IDS_ON_PS.get(
+            indices.graph, {}):
+        indices = indices.op.inputs[0]
+    return _IDS_ON_PS.get(indices.graph, {}).get(indices.name)
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedTable})

@@ -14,6 +14,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
 
+from hybrid_strategy.communication import riders
 from hybrid_strategy.communication import routing
 from hybrid_strategy.tables import sparse_optimizers
 
@@ -34,7 +35,8 @@ def update_table(extended, table, fn, args, kwargs, group):
         # Adafactor and Nadam) then reach every replica's copy.
         result = sparse_optimizers.update_table(
             optimizer, fn, table, routing.shard_gradients(grad, table), args[1:], kwargs,
-            mode=extended.sparse_update, concurrent=extended.worker_scope is not None)
+            mode=extended.sparse_update, concurrent=extended.worker_scope is not None,
+            copy_on=lambda value, device: riders.copy_on(value.ref(), device))
     elif optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
         sparse_optimizers.check(optimizer, table.path)
         result = sparse_optimizers.decay_table(optimizer, fn, table,
