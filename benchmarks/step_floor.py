@@ -10,10 +10,12 @@ gradients' bytes, and the unique rows one worker's share of the global batch tou
   call   the chief calls one function that updates a variable on every worker and on
          the ps and returns one scalar: what every step pays, whatever it computes;
   rows   + each worker sends its row ids to the ps, gets the rows back and sends their
-         gradients, which the ps adds to its table: the hybrid's lookup and push;
-  sum    + the workers sum their dense gradients as the hybrid does
-         (hybrid_strategy/communication/hierarchical_allreduce.py: 2 log2 W - 1 messages each;
-         none with one worker).
+         gradients, which the ps adds to its table at the ids it kept: the hybrid's
+         lookup and push, one tensor each way per exchange (communication/wire.py);
+  sum    + the workers' dense gradients ride with their push to the ps, which sums
+         them and sends each worker the sum, as the hybrid sums a small dense part
+         (communication/hierarchical_allreduce.py `sum_on_ps_pays`; none with one
+         worker): 4 tensors per worker per step.
 
 No layer, loss, optimizer or metric runs: a hybrid training step does all of this and
 the model's arithmetic besides, so `sum` is a floor under its CPU per step. The
@@ -48,8 +50,8 @@ FUNCTIONS = {
             "on the ps and gets one scalar back",
     "rows": "+ each worker's row ids to the ps, their rows back, their gradients added "
             "to the ps's table (the hybrid's lookup and push)",
-    "sum": "+ the workers' dense gradients summed as the hybrid sums them "
-           "(2 log2 W - 1 messages each; none with one worker)",
+    "sum": "+ the workers' dense gradients summed on the ps as the hybrid sums them, "
+           "riding with the push, the sum back (none with one worker)",
 }
 _RESULT_PREFIX = "step_floor result: "
 
@@ -62,7 +64,7 @@ def _floor_functions(tf, extended, dense_floats, rows, width):
     and check(calls), which raises unless the variables hold what `calls` ({name: count})
     calls of each function made."""
     # pylint: disable=import-outside-toplevel
-    from hybrid_strategy.communication import hierarchical_allreduce
+    from hybrid_strategy.communication import wire
 
     workers, ps = extended.worker_devices, "/job:ps/replica:0/task:0/device:CPU:0"
     count = len(workers)
@@ -79,36 +81,47 @@ def _floor_functions(tf, extended, dense_floats, rows, width):
             gradients.append(tf.Variable(tf.fill([dense_floats], float(i + 1))))
             sums.append(tf.Variable(tf.zeros([dense_floats])))
 
+    def exchange(sent):
+        """{worker: tensor on ps} -> {worker: as it arrived}, one tensor each way."""
+        outbox = wire.Outbox()
+        tickets = {i: [outbox.put(source, destination, t) for t in tensors]
+                   for i, (source, destination, tensors) in sent.items()}
+        arrived = outbox.deliver()
+        return {i: [arrived[t] for t in ts] for i, ts in tickets.items()}
+
     def function(rows_too, sum_too):
         @tf.function
         def step():
             with tf.device(ps):
                 ps_calls.assign_add(1.0, read_value=False)
-            pushes = []
+            worker_ids = {}
             for i, device in enumerate(workers):
                 with tf.device(device):
                     worker_calls[i].assign_add(1.0, read_value=False)
-                    worker_ids = ids[i].read_value()
-                if rows_too:
-                    with tf.device(ps):
-                        looked_up = tf.gather(table, worker_ids)
-                    with tf.device(device):
-                        pushes.append((worker_ids, looked_up * 0.5))
-            if pushes:
+                    worker_ids[i] = ids[i].read_value()
+            if rows_too:
+                held = exchange({i: (d, ps, [worker_ids[i]]) for i, d in enumerate(workers)})
                 with tf.device(ps):
-                    pushed.scatter_add(tf.IndexedSlices(
-                        tf.concat([g for _, g in pushes], 0),
-                        tf.concat([i for i, _ in pushes], 0)))
-            if sum_too and count > 1:
-                local = []
-                for gradient, device in zip(gradients, workers):
-                    with tf.device(device):  # else the chief would read them all
-                        local.append(gradient.read_value())
-                summed = hierarchical_allreduce._in_graph_sum(  # pylint: disable=protected-access
-                    local, workers)
+                    looked_up = {i: tf.gather(table, held[i][0]) for i in held}
+                rows_back = exchange({i: (ps, d, [looked_up[i]]) for i, d in enumerate(workers)})
+                pushes = {}
                 for i, device in enumerate(workers):
                     with tf.device(device):
-                        sums[i].assign(summed[i], read_value=False)
+                        pushes[i] = [rows_back[i][0] * 0.5]
+                        if sum_too and count > 1:
+                            pushes[i].append(gradients[i].read_value())
+                arrived = exchange({i: (d, ps, pushes[i]) for i, d in enumerate(workers)})
+                with tf.device(ps):
+                    pushed.scatter_add(tf.IndexedSlices(
+                        tf.concat([arrived[i][0] for i in arrived], 0),
+                        tf.concat([held[i][0] for i in arrived], 0)))
+                    if sum_too and count > 1:
+                        total = tf.add_n([arrived[i][1] for i in arrived])
+                if sum_too and count > 1:
+                    summed = exchange({i: (ps, d, [total]) for i, d in enumerate(workers)})
+                    for i, device in enumerate(workers):
+                        with tf.device(device):
+                            sums[i].assign(summed[i][0], read_value=False)
             with tf.device(workers[0]):
                 return worker_calls[0].read_value()
         return step
