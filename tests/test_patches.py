@@ -12,6 +12,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import hybrid_strategy
@@ -69,6 +70,20 @@ def test_entries_are_unique_and_replacements_say_why():
 def test_every_installed_target_matches_its_declaration(strategy):
     del strategy
     registry.verify()
+
+
+def test_tf_shape_of_a_keras_variable_refuses_what_tf_shape_refuses(strategy):
+    # table_hooks.static_shape answers statically; an out_type other than int32 and
+    # int64 still gets tf.shape's own error.
+    import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    del strategy
+    variable = keras.Variable(np.ones((3, 2), "float32"))
+    assert tf.shape(variable, out_type=tf.int64).numpy().tolist() == [3, 2]
+    for out_type in (tf.float32, "int16"):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="out_type"):
+            tf.shape(variable, out_type=out_type)
 
 
 def _fake_target_module(monkeypatch, method):
