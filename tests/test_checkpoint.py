@@ -12,6 +12,9 @@ report (one cluster run does every case):
   TF_CONFIG), which then saves again;
 - `plain`: a Keras model without any strategy restores both the 2-ps and the
   one-machine saves (for export);
+- weights files that point outside themselves (crafted_h5.py, crafted in `save`): the
+  `save` and one-machine phases must refuse each as `plain` does, Keras' own error, with
+  and without PS tables, and load the valid ones exactly, streaming a large table;
 - under tf_keras (TF_USE_LEGACY_KERAS=1), `save` on 2 ps and `restore` on 3 ps with
   tf.train.Checkpoint (while the Keras 3 phases run).
 Restored weights, optimizer slots and iterations must equal the saved ones exactly.
@@ -26,6 +29,7 @@ import sys
 import numpy as np
 import pytest
 
+import crafted_h5
 from runs import Runs, json_report, on_cluster
 
 pytestmark = pytest.mark.cluster
@@ -173,6 +177,10 @@ def _storage_errors(tf, model, directory):
     return out
 
 
+def _crafted(directory):
+    return os.path.join(directory, "crafted")
+
+
 def _error_of(operation):
     try:
         operation()
@@ -191,7 +199,9 @@ def main(argv):
         restored = _restore_all(tf, keras, {"two_ps": os.path.join(directory, "two_ps"),
                                             "one_machine": os.path.join(directory, "one_machine")},
                                 make_model, contextlib.nullcontext)
-        print(json.dumps({"restored": restored}))
+        print(json.dumps({"restored": restored, "keras": keras.__version__,
+                          "crafted": crafted_h5.attempts(keras, _crafted(directory),
+                                                         contextlib.nullcontext)}))
         return
     import hybrid_strategy
 
@@ -223,6 +233,8 @@ def main(argv):
             float(np.max(np.abs(a - b))) for a, b in zip(_state(model), _state(resumed)))
         if not _tf_keras():
             report["storage"] = _storage_errors(tf, model, directory)
+            crafted_h5.craft(keras, _crafted(directory))  # plain files: no scope
+            report["crafted"] = crafted_h5.attempts(keras, _crafted(directory), scope)
     elif phase == "restore":
         report["restored"] = _restore_all(
             tf, keras, {"two_ps": os.path.join(directory, "two_ps")}, make_model, scope)
@@ -234,6 +246,7 @@ def main(argv):
             os.makedirs(target, exist_ok=True)
             np.savez(os.path.join(target, "reference.npz"), *_state(model))
             _save_all(tf, keras, model, target)
+            report["crafted"] = crafted_h5.attempts(keras, _crafted(directory), scope)
     print(json.dumps(report))
 
 
@@ -334,6 +347,45 @@ def test_tf_keras_round_trip_and_reshard(tf_keras_reports):
     keys = [f"two_ps/{f}" for f in TF_KERAS_FORMATS]
     _assert_equal_to_saved(tf_keras_reports["save"]["restored"], keys, shards=2)
     _assert_equal_to_saved(tf_keras_reports["three_ps"]["restored"], keys, shards=3)
+
+
+STRATEGY_PHASES = ["save", "one_machine"]  # on 1 worker + 2 ps, and on one machine
+
+
+@pytest.mark.parametrize("phase", STRATEGY_PHASES)
+@pytest.mark.parametrize("defect", crafted_h5.DEFECTS)
+def test_a_weights_file_pointing_outside_itself_is_refused_as_keras_refuses_it(
+        reports, phase, defect):
+    plain = reports["plain"]["crafted"]
+    if defect not in crafted_h5.refused(reports["plain"]["keras"]):
+        assert not any(f"/{defect}/" in case for case in plain)
+        return  # this Keras reads it: crafted_h5.refused
+    for model in crafted_h5.MODELS:
+        for entry in crafted_h5.ENTRIES:
+            case = f"{model}/{defect}/{entry}"
+            assert plain[case]["type"] == "ValueError", f"plain Keras loaded {case}"
+            assert "Not allowed: H5" in plain[case]["error"], case
+            assert reports[phase]["crafted"][case] == plain[case], case
+
+
+@pytest.mark.parametrize("phase, shards", [("save", 2), ("one_machine", 1), ("plain", None)])
+def test_large_weights_files_load_exactly_streaming_tables(reports, phase, shards):
+    # Each large variable is over checkpointing.BLOCK_BYTES: a table streams it by blocks.
+    assert crafted_h5.ROWS * crafted_h5.WIDTH * 4 > 4 << 20
+    for model in crafted_h5.MODELS:
+        for entry in crafted_h5.ENTRIES:
+            case = f"{model}/valid/{entry}"
+            outcome = reports[phase]["crafted"][case]
+            assert outcome["error"] is None, f"{case}: {outcome['error']}"
+            assert outcome["max_error"] == 0.0, case
+            assert outcome["table_shards"] == (shards if model == "table" else None), case
+
+
+@pytest.mark.parametrize("phase", STRATEGY_PHASES)
+def test_safe_mode_refuses_a_lambda_under_a_strategy_as_without(reports, phase):
+    expected = reports["plain"]["crafted"]["lambda/safe_mode/keras"]
+    assert expected["type"] == "ValueError" and "safe_mode=False" in expected["error"]
+    assert reports[phase]["crafted"]["lambda/safe_mode/keras"] == expected
 
 
 @pytest.mark.parametrize("rows, saved, restored", [(7, 3, 2), (10, 2, 3), (5, 1, 4),

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import hybrid_strategy
@@ -71,6 +72,20 @@ def test_every_installed_target_matches_its_declaration(strategy):
     registry.verify()
 
 
+def test_tf_shape_of_a_keras_variable_refuses_what_tf_shape_refuses(strategy):
+    # table_hooks.static_shape answers statically; an out_type other than int32 and
+    # int64 still gets tf.shape's own error.
+    import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    del strategy
+    variable = keras.Variable(np.ones((3, 2), "float32"))
+    assert tf.shape(variable, out_type=tf.int64).numpy().tolist() == [3, 2]
+    for out_type in (tf.float32, "int16"):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="out_type"):
+            tf.shape(variable, out_type=out_type)
+
+
 def _fake_target_module(monkeypatch, method):
     module = types.ModuleType("fake_keras_target")
     module.Trainer = type("Trainer", (), {"fit": method})
@@ -80,7 +95,8 @@ def _fake_target_module(monkeypatch, method):
 def _declared(**changes):
     fields = dict(name="fake.fit_logged", framework="keras",
                   target="fake_keras_target:Trainer.fit", kind=patch_lib.WRAP,
-                  gate=patch_lib.STRATEGY, purpose="Logs each fit.", params=("self", "x"))
+                  gate=patch_lib.STRATEGY, purpose="Logs each fit.", params=("self", "x"),
+                  checks=(patch_lib.RUN, "fit checks x; the patch calls it with x."))
     fields.update(changes)
     return patch_lib.Patch(**fields)
 
@@ -116,6 +132,27 @@ def test_declarations_are_checked_when_made():
         _declared(gate="sometimes")
     with pytest.raises(ValueError, match="framework"):
         _declared(framework="jax")
+
+
+@pytest.mark.parametrize("checks", [None, (), ("checked", "fit checks x."), (patch_lib.RUN, ""),
+                                    patch_lib.RUN])
+def test_an_entry_that_does_not_say_what_its_target_checks_is_refused(checks):
+    with pytest.raises(ValueError, match="checks must say what the target validates"):
+        _declared(checks=checks)
+
+
+def test_a_replacement_or_addition_cannot_claim_the_target_checks_run():
+    with pytest.raises(ValueError, match="does not call the target on every path"):
+        _declared(kind=patch_lib.REPLACE, why_replaced="why", checks=(patch_lib.RUN, "x"))
+    with pytest.raises(ValueError, match="does not call the target on every path"):
+        _declared(kind=patch_lib.ADD, params=None, checks=(patch_lib.RUN, "x"))
+
+
+def test_every_entry_says_what_its_target_checks_and_how_it_is_kept():
+    for patch in PATCHES:
+        kept, line = patch.checks
+        assert kept in patch_lib.CHECKS, patch.name
+        assert line.strip() and "\n" not in line, patch.name
 
 
 def test_versions_outside_the_range_are_refused_unless_allowed(monkeypatch):
@@ -160,4 +197,5 @@ def test_the_command_prints_every_patch():
         text=True, check=True, cwd=REPO, timeout=120).stdout
     for patch in PATCHES:
         assert patch.name in printed
+        assert f"checks {patch.checks[0]}: {patch.checks[1]}" in printed
     assert f"{len(PATCHES)} patches" in printed

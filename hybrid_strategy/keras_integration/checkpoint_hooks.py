@@ -6,7 +6,8 @@
 - Keras 3: restoring a variable inside a tf.function gets a tensor of known shape;
   h5 files stream tables by blocks (the store's `__setitem__` / `__getitem__`,
   `Variable.assign`, the optimizer's `save_own_variables`), and `.keras` files of
-  models with tables are built on disk, not in memory.
+  models with tables are built on disk, not in memory. A dataset is streamed only
+  after Keras' own checks of it passed: loading refuses what Keras refuses.
 
 ```python
 import hybrid_strategy
@@ -140,15 +141,35 @@ def _store_setitem(original):
 
 
 def _store_getitem(original):
-    """H5IOStore `store[key]` that hands large datasets over unread (`StoredRows`)."""
+    """H5IOStore `store[key]` that hands large datasets over unread (`StoredRows`), once
+    they passed the checks Keras makes before it reads one."""
+    checked = _checked_dataset()
 
     @functools.wraps(original)
     def getitem(self, key):
-        group = self._h5_entry_group
-        rows = checkpointing.streamed(group.get(key) if hasattr(group, "get") else None)
+        rows = checkpointing.streamed(checked(self, key))
         return original(self, key) if rows is None else rows
 
     return getitem
+
+
+def _checked_dataset():
+    """`checked(store, key)`: the h5 dataset `store[key]` reads, after the installed
+    Keras' own checks of it, which raise Keras' own errors.
+
+    A weights file must not make the loading machine read other files: Keras refuses
+    soft and external links, datasets stored in external files or mapped from other
+    files (virtual), and, from 3.15, datasets declaring far more bytes than they store
+    (a decompression bomb). Keras 3.14.0 checks only for external storage, in the store.
+    """
+    # Keras-private: the function (Keras 3.14.1 and later) or store method (3.14.0)
+    # with which `H5IOStore.__getitem__` checks a dataset before reading it.
+    from keras.src.saving import saving_lib  # pylint: disable=import-outside-toplevel
+
+    safe_get = getattr(saving_lib, "safe_get_h5_dataset", None)
+    if safe_get is not None:
+        return lambda store, key: safe_get(store._h5_entry_group, key)
+    return lambda store, key: store._verify_dataset(store._h5_entry_group[key])
 
 
 def _save_tables_unread(save_own_variables):

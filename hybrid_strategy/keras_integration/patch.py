@@ -1,9 +1,10 @@
 """`Patch`: the declaration of one run-time change of Keras, tf_keras or TensorFlow.
 
 ```python
-from hybrid_strategy.keras_integration.patch import Patch, WRAP, STRATEGY
+from hybrid_strategy.keras_integration.patch import Patch, RUN, STRATEGY, WRAP
 Patch("example.fit_logged", "keras", "keras.src.trainers.trainer:Trainer.fit", WRAP,
-      STRATEGY, "Logs each fit.", params=("self",))
+      STRATEGY, "Logs each fit.", params=("self",),
+      checks=(RUN, "fit checks its arguments; the patch calls it with them."))
 ```
 """
 
@@ -28,6 +29,14 @@ AT_EXIT = "at the exit of a chief connected to a cluster"
 DYNAMIC = "on the rows of a DynamicEmbedding, with or without a strategy"
 GATES = (STRATEGY, TABLES, SPANS, ASYNCHRONOUS, CLUSTER, AT_EXIT, DYNAMIC)
 
+# What the target validates of what it is given (paths, sizes, types, `safe_mode`, what
+# it deserializes), and how the patch keeps that: a patch's `checks` is (one of these,
+# one line saying what the target checks and how).
+NO_CHECKS = "none"  # the target validates nothing: it computes, builds or registers
+RUN = "run"  # the patch calls the target on every path, so its checks run unchanged
+REPEATED = "repeated"  # where the patch skips the target, it makes the same checks first
+CHECKS = (NO_CHECKS, RUN, REPEATED)
+
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -45,6 +54,9 @@ class Patch:
         why_replaced: For REPLACE: why the original cannot be wrapped.
         after: Names of patches of the same target that must be installed first
             (this one wraps them).
+        checks: (NO_CHECKS, RUN or REPEATED, a line): what the target validates and
+            how the patch keeps it. Required: a patch must not skip a framework's checks
+            (a weights file's links, a `.keras` file's `safe_mode`) unnoticed.
     """
 
     name: str
@@ -56,6 +68,7 @@ class Patch:
     params: tuple = None
     why_replaced: str = ""
     after: tuple = ()
+    checks: tuple = None
 
     def __post_init__(self):
         if self.framework not in versions.FRAMEWORKS:
@@ -68,6 +81,13 @@ class Patch:
         if (self.kind == REPLACE) != bool(self.why_replaced):
             raise ValueError(f"{self.name}: a replacement, and only a replacement, says "
                              "why_replaced")
+        if (not isinstance(self.checks, tuple) or len(self.checks) != 2
+                or self.checks[0] not in CHECKS or not self.checks[1]):
+            raise ValueError(f"{self.name}: checks must say what the target validates and "
+                             f"how the patch keeps it: (one of {CHECKS}, a line)")
+        if self.checks[0] == RUN and self.kind in (REPLACE, ADD):
+            raise ValueError(f"{self.name}: a {self.kind} does not call the target on every "
+                             "path: its checks are none or repeated")
 
     @property
     def module(self):

@@ -2,17 +2,17 @@
 
 Each `Patch` names its target (a module, and a class attribute or module attribute
 in it), whether it wraps the original, replaces it, adds an attribute the target
-lacks or registers a handler with a TensorFlow API, when it acts (its gate), and
-the versions it was checked against. `verify()` resolves every target of the
-installed frameworks before anything is changed, so that a Keras release that
-moved or changed one fails at `HybridStrategy()` with one error naming the
-versions, not deep inside a training step; `install(name, make)` then applies one
-entry, once.
+lacks or registers a handler with a TensorFlow API, when it acts (its gate), what
+the target validates and how the patch keeps it (its checks), and the versions it
+was checked against. `verify()` resolves every target of the installed frameworks
+before anything is changed, so that a Keras release that moved or changed one fails
+at `HybridStrategy()` with one error naming the versions, not deep inside a training
+step; `install(name, make)` then applies one entry, once.
 
 ```python
 from hybrid_strategy.keras_integration import registry
 for patch in registry.PATCHES:
-    print(patch.target, patch.kind, patch.gate)
+    print(patch.target, patch.kind, patch.gate, patch.checks)
 ```
 
 `python -m hybrid_strategy.keras_integration` prints the list;
@@ -26,11 +26,15 @@ import sys
 
 from hybrid_strategy import versions
 from hybrid_strategy.versions import UnsupportedVersionError
-from hybrid_strategy.keras_integration.patch import ADD, KINDS, REGISTER, REPLACE, WRAP
+from hybrid_strategy.keras_integration.patch import (
+    ADD, KINDS, NO_CHECKS, REGISTER, REPEATED, REPLACE, RUN, WRAP)
 from hybrid_strategy.keras_integration.patches import PATCHES
 
 
 _BY_NAME = {patch.name: patch for patch in PATCHES}
+_CHECKS_LEGEND = (f"{NO_CHECKS}, the target validates nothing; {RUN}, the patch calls it on "
+                  f"every path, so its checks run unchanged; {REPEATED}, where the patch "
+                  "skips it, the patch makes the same checks first")
 _installed = set()
 
 
@@ -174,8 +178,12 @@ def markdown():
         "",
         f"Supported: {versions.describe_supported()}.",
         "",
-        "| patch | target | kind | gate | checked against | what and why |",
-        "|---|---|---|---|---|---|",
+        "The checks column says what the target validates of what it is given (paths, "
+        "sizes, types, `safe_mode`, what it deserializes) and how the patch keeps it: "
+        f"{_CHECKS_LEGEND}.",
+        "",
+        "| patch | target | kind | gate | checked against | what and why | checks |",
+        "|---|---|---|---|---|---|---|",
     ]
     for patch in PATCHES:
         why = patch.purpose
@@ -184,7 +192,8 @@ def markdown():
         if patch.after:
             why += f" Wraps {', '.join(patch.after)}."
         lines.append(f"| {patch.name} | `{patch.target}` | {patch.kind} | {patch.gate} | "
-                     f"{patch.framework} {', '.join(patch.checked)} | {why} |")
+                     f"{patch.framework} {', '.join(patch.checked)} | {why} | "
+                     f"{patch.checks[0]}: {patch.checks[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -200,6 +209,7 @@ def main(argv=None):
     width = max(len(patch.name) for patch in PATCHES)
     for patch in PATCHES:
         print(f"{patch.name:<{width}}  {patch.kind:<8}  {patch.target}\n"
-              f"{'':<{width}}  {'':<8}  {patch.gate}; {patch.purpose}")
+              f"{'':<{width}}  {'':<8}  {patch.gate}; {patch.purpose}\n"
+              f"{'':<{width}}  {'':<8}  checks {patch.checks[0]}: {patch.checks[1]}")
     print(f"{len(PATCHES)} patches; supported: {versions.describe_supported()}")
     return 0

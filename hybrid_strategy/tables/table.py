@@ -763,10 +763,11 @@ def keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=re
     """`tf.shape` of a Keras 3 variable: its static shape when fully defined.
 
     Static, without reading the variable: Keras' `ops.take` asks for it before the
-    row read, which may move the variable to a PS (`on_row_read`).
+    row read, which may move the variable to a PS (`on_row_read`). An `out_type`
+    `tf.shape` refuses goes to `tf.shape`, for its error.
     """
     value = input._value if is_table(getattr(input, "_value", None)) else input.value
-    if value.shape.is_fully_defined():
+    if value.shape.is_fully_defined() and out_type in (None, tf.int32, tf.int64):
         return tf.constant(value.shape.as_list(), dtype=out_type or tf.int32, name=name)
     return tf.shape(value, out_type=out_type, name=name)
 
