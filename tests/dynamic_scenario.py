@@ -11,15 +11,13 @@ device from the same weights on the same global batches, and reports, per table,
 whether both hold the same ids with the same counts and last steps, the relative
 error of each id's row and optimizer slots, and of the dense weights, admissions,
 evictions, and where rows and maps live. Keras 3 and, under TF_USE_LEGACY_KERAS=1,
-tf_keras. Given a directory, it also exports the first case's model there (Keras 3 `model.export`,
-tf_keras `tf.saved_model.save`) with its predictions for held-out ids,
-some never seen, for `serve_dynamic_model.py` to compare. Prints the report as JSON:
+tf_keras. (Exports of dynamic tables are served in tests/test_serving.py.) Prints the
+report as JSON:
 
-    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dynamic_scenario.py [DIR]
+    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dynamic_scenario.py
 """
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -130,11 +128,11 @@ def case(strategy, weights, make_optimizer, inputs, clicks):
     dense = {path(w): references.error(references.values(w), references.values(r))
              for w, r in zip(model.weights, reference.weights)
              if path(w).split("/")[0] not in TABLES}
-    return model, {"tables": {name: compare(model.get_layer(name), reference.get_layer(name))
-                              for name in TABLES},
-                   "dense_errors": dense,
-                   "small_table": {"rows_devices": devices(small.embeddings),
-                                   "remap_devices": list(small.remap.devices)}}
+    return {"tables": {name: compare(model.get_layer(name), reference.get_layer(name))
+                       for name in TABLES},
+            "dense_errors": dense,
+            "small_table": {"rows_devices": devices(small.embeddings),
+                            "remap_devices": list(small.remap.devices)}}
 
 
 def _small_table():
@@ -146,22 +144,6 @@ def _small_table():
     return layer
 
 
-def export(model, inputs, directory):
-    """Exports `model`; returns its predictions for held-out ids, half never seen."""
-    user, items = inputs
-    rng = np.random.default_rng(1)
-    held_out = (np.concatenate([user[:20], rng.integers(-2**62, 2**62, (20, 1))]),
-                np.concatenate([items[:20], np.full((20, 3), b"never-seen")]))
-    path = os.path.join(directory, "saved_model")
-    if hasattr(keras, "ops"):
-        model.export(path, verbose=False)
-    else:  # tf_keras' model.export tracks variables only, not the maps' hash tables
-        tf.saved_model.save(model, path)
-    predictions = model.predict([tf.constant(x) for x in held_out], verbose=0)
-    return {"path": path, "user": held_out[0].tolist(),
-            "items": held_out[1].astype(str).tolist(), "predictions": predictions.tolist()}
-
-
 def main():
     import hybrid_strategy
 
@@ -171,9 +153,7 @@ def main():
     report = {}
     for name, (make_optimizer, mode) in cases().items():
         strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=256, sparse_update=mode)
-        model, report[name] = case(strategy, weights, make_optimizer, inputs, clicks)
-        if len(sys.argv) > 1 and "export" not in report:
-            report["export"] = export(model, inputs, sys.argv[1])
+        report[name] = case(strategy, weights, make_optimizer, inputs, clicks)
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 

@@ -6,21 +6,21 @@ vectors for single- and multi-hot inputs against numpy, rows and optimizer slots
 reset on admission, weights files restored over another number of map shards, and
 errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
 and tf_keras): every id's count, last step, row and optimizer slots match training
-on one device, with admissions and evictions on; the exported SavedModel serves in a
-process without the strategy; a save in the middle of an epoch on 2 ps (Keras 3
+on one device, with admissions and evictions on (exports of every placement are served
+in tests/test_serving.py); a save in the middle of an epoch on 2 ps (Keras 3
 weights file, tf_keras TensorFlow checkpoint), restored onto 1 and onto 3 ps, ends
 training exactly where the uninterrupted run ended
 (tests/dynamic_checkpoint_scenario.py).
 """
 
-import json
+import functools
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from runs import Runs, environ, json_report, on_cluster
+from runs import Runs, json_report, on_cluster
 
 keras = tf.keras
 
@@ -353,20 +353,6 @@ def test_ids_of_the_wrong_dtype_are_refused():
 FLAVOURS = ("keras3", "tf_keras")
 
 
-def train_and_serve(flavour, directory):
-    """The scenario's report, and its export served by another process."""
-    report = json_report(on_cluster(SCRIPT, directory, workers=2, ps=2),
-                         f"dynamic_scenario ({flavour})", flavour)
-    export = report.pop("export")
-    path = os.path.join(directory, "export.json")
-    with open(path, "w") as f:
-        json.dump(export, f)
-    serve_env = {k: v for k, v in environ(flavour).items() if k != "PYTHONPATH"}
-    served = json_report([os.path.join(HERE, "serve_dynamic_model.py"), path],
-                         "serving", env=serve_env, timeout=600, cwd=directory)
-    return report, export, served
-
-
 def save_and_restore(flavour, directory):
     """The uninterrupted run on 2 ps, and restores of its mid-epoch save on 1 and 3 ps."""
     def phase(name, ps):
@@ -375,11 +361,6 @@ def save_and_restore(flavour, directory):
                            flavour)
     return {"saved": phase("save", 2), "one_ps": phase("restore", 1),
             "three_ps": phase("restore", 3)}
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs.in_directories(train_and_serve, FLAVOURS, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -392,27 +373,24 @@ def restored(request, checkpoint_runs):
     return checkpoint_runs.result(request.param, request)
 
 
-@pytest.fixture(scope="module", params=FLAVOURS)
-def report(request, runs):
-    return runs.result(request.param, request)[0]
+RUNS = Runs({
+    **{flavour: functools.partial(json_report, on_cluster(SCRIPT, workers=2, ps=2),
+                                  f"dynamic_scenario ({flavour})", flavour)
+       for flavour in FLAVOURS},
+    "two_replicas_per_worker": lambda: json_report(
+        on_cluster(SCRIPT, workers=2, ps=2, devices_per_worker=2),
+        "dynamic_scenario (2 workers of 2 replicas)")})
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
-def served(request, runs):
-    return runs.result(request.param, request)[1:]
-
-
-REPLICAS = Runs({"two_replicas_per_worker": lambda: json_report(
-    on_cluster(SCRIPT, workers=2, ps=2, devices_per_worker=2),
-    "dynamic_scenario (2 workers of 2 replicas)")})
+def report(request):
+    return RUNS.result(request.param, request)
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras", "two_replicas_per_worker"])
-def exactness(request, runs):
+def exactness(request):
     """The scenario's report: Keras 3, tf_keras, and Keras 3 with 2 replicas per worker."""
-    if request.param == "two_replicas_per_worker":
-        return REPLICAS.result(request.param, request)
-    return runs.result(request.param, request)[0]
+    return RUNS.result(request.param, request)
 
 
 @pytest.mark.cluster
@@ -447,17 +425,6 @@ def test_id_maps_are_split_as_their_rows_are(report):
         small = case["small_table"]
         assert small["remap_devices"] == small["rows_devices"] and small["rows_devices"][0] in PS
         assert len(small["rows_devices"]) == 1
-
-
-@pytest.mark.cluster
-def test_the_export_serves_without_a_cluster_unknown_ids_getting_zero_vectors(served):
-    export, serving = served
-    assert serving["tf_config"] is None
-    outputs, expected = np.asarray(serving["outputs"]), np.asarray(export["predictions"])
-    assert outputs.shape == expected.shape == (40, 1)
-    np.testing.assert_allclose(outputs, expected, rtol=1e-5, atol=1e-6)
-    # The 20 never-seen ids all get the same (zero) vectors, hence one prediction.
-    assert np.ptp(outputs[20:]) == 0 and np.ptp(outputs[:20]) > 0
 
 
 @pytest.mark.cluster

@@ -35,6 +35,12 @@ def devices(config, architecture, local_devices, timeout):
     return _connect(config, timeout)
 
 
+def connected_jobs():
+    """The job names of the cluster this process is connected to, its own (chief)
+    included; empty when it is connected to none."""
+    return frozenset({*_connected_cluster, _CHIEF_JOB}) if _connected_cluster else frozenset()
+
+
 def _local_devices(devices):
     if devices:
         return [device_util.resolve(d) for d in devices]

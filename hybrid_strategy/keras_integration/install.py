@@ -23,6 +23,7 @@ from hybrid_strategy.keras_integration import clipping_hooks
 from hybrid_strategy.keras_integration import data_service_hooks
 from hybrid_strategy.keras_integration import dynamic_hooks
 from hybrid_strategy.keras_integration import exit_hooks
+from hybrid_strategy.keras_integration import export_hooks
 from hybrid_strategy.keras_integration import increments
 from hybrid_strategy.keras_integration import iterator_hooks
 from hybrid_strategy.keras_integration import keras_input
@@ -107,5 +108,6 @@ def install_all(strategy_class, connected):
     # After the id checks: a table looked up at once returns its rows before them.
     batched_lookups.install(gates.in_replica_of_hybrid_strategy)
     dynamic_hooks.install()
+    export_hooks.install()
     if connected:
         exit_hooks.install()

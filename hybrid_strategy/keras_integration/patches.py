@@ -572,6 +572,14 @@ PATCHES = (
           why_replaced="it is the registry of functions to release, not a function: "
           "dropping it is how TensorFlow's own teardown skips the releases.",
           checks=(NO_CHECKS, "A registry of functions to release at exit; nothing is checked.")),
+    Patch("export_hooks.no_cluster_devices", "tensorflow",
+          "tensorflow.python.saved_model.save:_build_meta_graph", WRAP, CLUSTER,
+          "A SavedModel names no device of the cluster (ops pinned to a PS task, as a "
+          "hash table's are, are cleared before it is written), so it serves without the "
+          "cluster; one that would record variables' cluster devices is refused.",
+          params=("obj", "signatures", "options", "meta_graph_def"),
+          checks=(RUN, "_build_meta_graph checks the signatures and objects it saves; the "
+                       "patch calls it, then clears cluster devices from what it built.")),
     # --- mixed precision ---------------------------------------------------------
     Patch("loss_scaling_hooks.finite_check_by_rows", "keras",
           "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer.check_finite", WRAP,
