@@ -9,9 +9,12 @@ two steps on per-worker input, and reads the graphs TensorFlow ran the training
 step as: one partition per task. Every tensor an edge carries from one task to
 another (a `_Recv` whose sender is on another task) costs a call between the two
 (a gRPC request, thread hand-offs at both ends), whatever its size: with small
-tensors, each step's fixed cost on a worker is mostly those. Unlike CPU time on a
+tensors, each step's fixed cost on a worker is mostly those. Collective ops (TensorFlow's
+all-reduce) move their tensors outside the graph's edges, by calls of their own: each
+counts as the messages a ring of its group makes on its device. Unlike CPU time on a
 shared machine, the count is exact and does not vary between runs. It prints, per
-pair of tasks, the tensors crossing per step, and the ops each task runs.
+pair of tasks, the tensors crossing per step, the tensors each task sends and receives,
+collectives' included, and the ops each task runs.
 """
 
 import argparse
@@ -30,10 +33,33 @@ def task_of(device):
     return f"{match[1]}{match[2]}" if match else device
 
 
+# Collective ops move their tensors by calls of their own, outside the graph's edges: a
+# RING all-reduce of N devices sends and receives 2 (N - 1) chunks of at most 4 MiB on each.
+_COLLECTIVES = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
+                "CollectiveGather", "CollectiveGatherV2", "CollectiveAllToAllV2",
+                "CollectiveAllToAllV3", "CollectiveBcastSend", "CollectiveBcastRecv",
+                "CollectiveBcastSendV2", "CollectiveBcastRecvV2")
+
+
+def _collective_messages(node, nodes):
+    """Tensors a collective op sends and receives on its device (at least: a tensor over
+    the ring's chunk size takes more), from its group size (an attribute, or for the V2
+    ops a constant input, its second; `nodes` maps names to the partition's nodes)."""
+    if "group_size" in node.attr:
+        size = node.attr["group_size"].i
+    else:
+        const = nodes.get(node.input[1].split(":")[0].lstrip("^"))
+        values = const.attr["value"].tensor.int_val if const is not None else ()
+        size = values[0] if values else 2  # not a constant: one exchange each way at least
+    return 4 * (size - 1) if "Reduce" in node.op else 2 * max(size - 1, 1)
+
+
 def count_transfers(run_metadata, names=False):
-    """{"transfers": {"from->to": tensors}, "total": n, "ops": {task: ops}} of the
-    largest function (most nodes) that ran over several tasks, or None; with `names`,
-    also "names": {"from->to": [edge names of the tensors]}."""
+    """{"transfers": {"from->to": tensors}, "total": n, "ops": {task: ops},
+    "per_task": {task: tensors sent and received, collectives' included}, "collectives":
+    {task: collective ops}} of the largest function (most nodes) that ran over several
+    tasks, or None; with `names`, also "names": {"from->to": [edge names of the
+    tensors]}."""
     best = None
     for graphs in run_metadata.function_graphs:
         parts = graphs.partition_graphs
@@ -46,19 +72,27 @@ def count_transfers(run_metadata, names=False):
     if best is None:
         return None
     transfers, ops = collections.Counter(), collections.Counter()
+    collectives, per_task = collections.Counter(), collections.Counter()
     edge_names = collections.defaultdict(list)
     for part in best[1]:
+        nodes = {node.name: node for node in part.node}
         for node in part.node:
             ops[task_of(node.device)] += 1
+            if node.op in _COLLECTIVES:
+                collectives[task_of(node.device)] += 1
+                per_task[task_of(node.device)] += _collective_messages(node, nodes)
             if node.op in ("_Recv", "_HostRecv"):
                 source = task_of(node.attr["send_device"].s.decode())
                 destination = task_of(node.attr["recv_device"].s.decode())
                 if source != destination:
                     transfers[f"{source}->{destination}"] += 1
+                    per_task[source] += 1
+                    per_task[destination] += 1
                     edge_names[f"{source}->{destination}"].append(
                         node.attr["tensor_name"].s.decode())
     counted = {"transfers": dict(sorted(transfers.items())), "total": sum(transfers.values()),
-               "ops": dict(sorted(ops.items()))}
+               "ops": dict(sorted(ops.items())), "per_task": dict(sorted(per_task.items())),
+               "collectives": dict(sorted(collectives.items()))}
     if names:
         counted["names"] = dict(sorted(edge_names.items()))
     return counted
@@ -113,6 +147,11 @@ def describe(counted):
              f"{counted['steps_per_execution']} step(s) per call: "
              f"{counted['total']} tensors cross between tasks per call"]
     lines += [f"  {pair:24s} {n}" for pair, n in counted["transfers"].items()]
+    lines.append("sent and received per task (collective ops' included): " + ", ".join(
+        f"{t} {n}" for t, n in counted["per_task"].items()))
+    if counted["collectives"]:
+        lines.append("collective ops per task: " + ", ".join(
+            f"{t} {n}" for t, n in counted["collectives"].items()))
     lines.append("ops per task: " + ", ".join(f"{t} {n}" for t, n in counted["ops"].items()))
     for pair, tensors in counted.get("names", {}).items():
         lines += [f"{pair}:"] + [f"  {name}" for name in tensors]
