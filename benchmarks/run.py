@@ -5,8 +5,14 @@ process alone: throughput, step time, bytes on the wire per task, peak memory pe
         --contenders hybrid,allreduce,ps,mwms,pss,single --workers 2 --ps 1 --link-gbit 1
 
 For each contender, in turn, the harness starts a fresh cluster on this machine as real
-processes, with the same model, global batch and data (benchmarks/contenders.py says what
-each contender runs):
+processes, with the same model and data (benchmarks/contenders.py says what each contender
+runs) and batches sized one of two ways (benchmarks/batches.py): `--global-batch G`
+(default: the model's), every contender's step G examples, split over the workers of a
+synchronous contender, all on one worker for an asynchronous one (pss, ps-async) and in
+one process for `single`; or `--per-worker-batch B`, every worker B examples per step:
+synchronous contenders a global batch of W x B, pss's and ps-async's steps (one worker's)
+and single's B. Throughput is examples (tokens) per second either way; the table and the
+JSON give each contender's batch per step.
 
   hybrid, ps      chief + W workers + P ps; servers `python -m hybrid_strategy.server
                   --thread-spinning off` (pss's too: the tasks share this machine's cores)
@@ -70,6 +76,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import batches
 from benchmarks import contenders as contenders_lib
 from benchmarks import cpu_groups
 from benchmarks import horovod_contender
@@ -254,6 +261,9 @@ class ContenderRun:
         self.tasks = cluster_tasks(contender, options.workers, options.ps)
         self.trainers = trainers_of(contender, self.tasks)
         self.servers = [t for t in self.tasks if t not in self.trainers]
+        # Examples in one of this contender's steps (benchmarks/batches.py).
+        self.batch = batches.step_batch(contender, options.workers, options.global_batch,
+                                        options.per_worker_batch)
         self.net = None
         self.groups = None  # cpu_groups.CpuGroups with --machine-cpus
         self.machine_of = (cpu_groups.layout([t.name for t in self.tasks], options.colocate)
@@ -315,6 +325,9 @@ class ContenderRun:
     def run(self):
         result = {"contender": self.contender,
                   "tasks": [t.name for t in self.tasks],
+                  "batch_per_step": self.batch,
+                  "batch_per_worker": batches.per_worker(self.contender, self.batch,
+                                                         self.options.workers),
                   "loadavg_before": os.getloadavg()[0]}
         started = time.monotonic()
         try:
@@ -391,7 +404,7 @@ class ContenderRun:
     def trainer_spec(self, task):
         """What the training program of `task` is told (SPEC.json)."""
         spec = {"contender": self.contender, "model": self.options.model_name,
-                "global_batch": self.options.global_batch, "steps": self.options.steps,
+                "global_batch": self.batch, "steps": self.options.steps,
                 "warmup": self.options.warmup, "num_ps": self.options.ps,
                 "steps_per_execution": self.options.steps_per_execution,
                 "result": os.path.join(self.workdir, "result.json"),
@@ -486,7 +499,7 @@ class ContenderRun:
         path = os.path.join(self.workdir, "result.json")
         with open(path) as f:
             result = json.load(f)
-        _check_result(result, self.options, self.contender)
+        _check_result(result, self.options, self.contender, self.batch)
         per_task = self.task_usage(result["steps"])
         if ("chief" in per_task and per_task["chief"].get("peak_rss_mib") is None
                 and result.get("chief_vmhwm_kib")):
@@ -634,12 +647,13 @@ def _throttling(machine, start, end, steps):
                                       - stats[0]["throttled_us"]) / 1000 / steps}
 
 
-def _check_result(result, options, contender):
-    """Refuses a result that does not describe the run that was asked for."""
+def _check_result(result, options, contender, batch):
+    """Refuses a result that does not describe the run that was asked for (steps of
+    `batch` examples)."""
     problems = []
     if result.get("contender") != contender or result.get("model") != options.model_name:
         problems.append(f"it names {result.get('contender')}/{result.get('model')}")
-    if result.get("steps") != options.steps or result.get("global_batch") != options.global_batch:
+    if result.get("steps") != options.steps or result.get("global_batch") != batch:
         problems.append(f"{result.get('steps')} steps of batch {result.get('global_batch')}")
     if result.get("synchronous") and len(result.get("step_times_s") or ()) != options.steps:
         problems.append(f"{len(result.get('step_times_s') or ())} step times")
@@ -735,10 +749,7 @@ def parse(argv):
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="Keras compile(steps_per_execution=N): steps per call of the "
                         "training function; --steps and --warmup must be multiples of it")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help="default: the model's (" + ", ".join(
-                            f"{name} {spec.global_batch}"
-                            for name, spec in contenders_lib.MODELS.items()) + ")")
+    batches.add_options(parser)
     parser.add_argument("--json", help="results file (default under benchmarks/results/)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['steps']} measured and {QUICK['warmup']} warm-up steps")
@@ -767,12 +778,19 @@ def parse(argv):
     cpu_groups.check_options(parser, options)
     if options.quick:
         options.steps, options.warmup = QUICK["steps"], QUICK["warmup"]
+    options.global_batch_arg = options.global_batch  # each model's run sets global_batch
     options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
     unknown = [c for c in options.contender_list
                if contenders_lib.base_of(c) not in contenders_lib.CONTENDERS and c != "horovod"]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from "
                      f"{', '.join(contenders_lib.CONTENDERS)}")
+    for contender in options.contender_list:
+        if ":" in contender:
+            try:
+                contenders_lib.hybrid_options(contender)
+            except ValueError as e:
+                parser.error(str(e))
     options.models = [m.strip() for m in options.model.split(",") if m.strip()]
     for m in options.models:
         if m not in contenders_lib.MODELS:
@@ -783,6 +801,7 @@ def parse(argv):
         parser.error("--steps and --warmup must be at least 1 (the first step traces)")
     if options.devices_per_worker < 1:
         parser.error("--devices-per-worker must be at least 1")
+    batches.check_options(parser, options)
     others = [c for c in options.contender_list if c not in contenders_lib.HYBRID_ARCHITECTURES]
     if options.devices_per_worker > 1 and others:
         parser.error(f"--devices-per-worker applies to hybrid, allreduce and ps only; "
@@ -815,10 +834,16 @@ def network_mode(options):
     return ("netns", "") if ok else ("loopback", why)
 
 
-def run_model(options, model, mode, why, argv):
+def configure(options, model):
+    """Sets the options of `model`'s run: its name and its global batch."""
     options.model_name = model
+    options.global_batch = batches.synchronous_global_batch(
+        model, options.workers, options.global_batch_arg, options.per_worker_batch)
+
+
+def run_model(options, model, mode, why, argv):
+    configure(options, model)
     spec = contenders_lib.MODELS[model]
-    options.global_batch = options.global_batch_arg or spec.global_batch
     replicas = options.workers * options.devices_per_worker
     if options.global_batch % replicas:
         raise SystemExit(f"--global-batch {options.global_batch} must be a multiple of "
@@ -847,7 +872,8 @@ def run_model(options, model, mode, why, argv):
                     "fallback_reason": why if mode == "loopback" else None},
         "config": {"workers": options.workers, "ps": options.ps,
                    "devices_per_worker": options.devices_per_worker,
-                   "global_batch": options.global_batch, "steps": options.steps,
+                   "global_batch": options.global_batch,
+                   "per_worker_batch": options.per_worker_batch, "steps": options.steps,
                    "repeats": options.repeats,
                    "steps_per_execution": options.steps_per_execution,
                    "warmup": options.warmup, "unit": spec.unit,
@@ -947,6 +973,7 @@ def run_contender(contender, options, mode, workdir, bound, model, round_index=0
     if result["status"] == "ok":
         summarize(result, bound)
         print(f"[{model}] {contender}: {result['units_per_s']:,.0f} {result['unit']}/s, "
+              f"steps of {result['batch_per_step']}, "
               f"median step {result['median_step_s'] * 1000:.1f} ms, "
               f"{result['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
     else:
@@ -977,7 +1004,6 @@ def main(argv=None):
     except cpu_groups.CpuGroupError as e:
         print(f"python -m benchmarks.run: error: {e}", file=sys.stderr, flush=True)
         return 2
-    options.global_batch_arg = options.global_batch
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         mode, why = network_mode(options)
