@@ -102,8 +102,11 @@ def _machines_label(run):
 
 
 def _machines_phrase(m):
-    """"0.5 core (10 ms period, worker i + ps i colocated)" of a run's machines."""
-    return (f"{m['cpus']:g} core ({m['quota_period_ms']:g} ms period"
+    """"0.5 core (10 ms period, worker i + ps i colocated)", "0.5 core, ps 1 core (10 ms
+    period)" of a run's machines."""
+    return (f"{m['cpus']:g} core"
+            + (f", ps {m['ps_cpus']:g} core" if m.get("ps_cpus") is not None else "")
+            + f" ({m['quota_period_ms']:g} ms period"
             + {"host": ", host-sized thread pools",
                "auto": ", servers' pools sized from their quota"}.get(
                    m.get("thread_sizing"), "")
@@ -410,16 +413,19 @@ def step_floor(workers, results_dir=None):
     return None
 
 
-def efficiency_between(runs, model, per_worker, small, large, cpus, contender="hybrid"):
+def efficiency_between(runs, model, per_worker, small, large, cpus, contender="hybrid",
+                       ps_cpus=None):
     """`contender`'s throughput on `large` = (workers, ps) over (large workers / small
     workers) times its throughput on `small`, both on machines of `cpus` cores (one task
-    each), 1 Gbit/s links and `per_worker` examples per worker in each of `contender`'s
-    steps; each the run measured longest; None unless both were measured."""
+    each; the ps tasks' of `ps_cpus`, where given), 1 Gbit/s links and `per_worker`
+    examples per worker in each of `contender`'s steps; each the run measured longest;
+    None unless both were measured."""
     def measures(run, workers, ps):
         found = _ok(run, contender)
         return (run["model"] == model and not run.get("quick") and not run.get("profiled")
                 and _is_target_cluster(run, ps, machines="own", workers=workers)
                 and run["machines"]["cpus"] == cpus
+                and run["machines"].get("ps_cpus") == ps_cpus
                 and found is not None and per_worker_batch(run, found) == per_worker)
 
     throughput = {}
@@ -699,8 +705,10 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "of C cores per period, one task per machine or, with `--colocate`, worker i "
              "and ps i on one (Parallax's layout), and every task's TensorFlow thread "
              "pools are sized for it (ceil(C) intra-op threads; inter-op the same but at "
-             "least 2, as ParameterServerStrategy hangs with one); each table names the "
-             "share, period and layout. "
+             "least 2, as ParameterServerStrategy hangs with one); with `--ps-cpus C2` "
+             "the machines of ps tasks have C2 cores (and pools for C2), as parameter "
+             "servers are provisioned larger than workers; each table names the "
+             "shares, period and layout. "
              "It is an emulation: a quota of time on the same 2 cores, not cores of its "
              "own (a machine of 0.5 core may run on both cores for a quarter period, then "
              "wait); no NUMA, no cache or memory bandwidth of its own, no real NIC (the "

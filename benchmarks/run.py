@@ -56,7 +56,9 @@ Machines of their own: with `--machine-cpus C` every emulated machine also gets 
 CPU share, a cgroup with a CFS quota of C cores per `--quota-period-ms` (every task of
 every contender on a machine of its own, the chief and `single` too; with `--colocate`
 worker i and ps i share one, Parallax's layout), and each task's TensorFlow thread pools
-are sized for it (ceil(C) intra-op threads; inter-op the same but at least 2). benchmarks/cpu_groups.py says how; where cgroups
+are sized for it (ceil(C) intra-op threads; inter-op the same but at least 2). With
+`--ps-cpus C2` too, a machine holding ps tasks only gets C2 cores (and pools for C2)
+instead; not with `--colocate`. benchmarks/cpu_groups.py says how; where cgroups
 cannot be written the run stops before any process starts, saying why. Without it, every
 task shares this machine's cores, as before; the report names which with every table.
 """
@@ -268,6 +270,8 @@ class ContenderRun:
         self.groups = None  # cpu_groups.CpuGroups with --machine-cpus
         self.machine_of = (cpu_groups.layout([t.name for t in self.tasks], options.colocate)
                            if getattr(options, "machine_cpus", None) else {})
+        self.cpus_of = (cpu_groups.shares(self.machine_of, options.machine_cpus, options.ps_cpus)
+                        if self.machine_of else {})  # {machine: its cores}
         self.samples = {}  # phase -> {"counters", "tcp", "time"}
         self.rss = {}
         self.commands = []
@@ -301,13 +305,13 @@ class ContenderRun:
         command = {"task": task.name, "argv": shlex.join(full),
                    "TF_CONFIG": env.get("TF_CONFIG")}
         if self.groups is not None:
-            # Thread pools sized for the machine's share (cpu_groups.thread_environment);
-            # the child joins its machine's group before it execs, so every thread it
-            # starts runs under the quota.
-            threads = cpu_groups.thread_environment(self.options.machine_cpus,
+            # Thread pools sized for the share of the task's machine
+            # (cpu_groups.thread_environment); the child joins its machine's group before
+            # it execs, so every thread it starts runs under the quota.
+            machine = self.machine_of[task.name]
+            threads = cpu_groups.thread_environment(self.cpus_of[machine],
                                                     self.options.machine_threads)
             env = dict(env, **threads)
-            machine = self.machine_of[task.name]
             join, die_with_us = self.groups.joiner(machine), preexec
 
             def preexec():
@@ -319,6 +323,18 @@ class ContenderRun:
         task.process = subprocess.Popen(
             full, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=task.log,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
+
+    def make_machines(self):
+        """Makes every machine's CPU group with its share (ps machines: --ps-cpus); returns
+        what the results record of them."""
+        self.groups = cpu_groups.CpuGroups(
+            self.options.machine_cpus, self.options.quota_period_ms,
+            root=self.options.cgroup_root).check()
+        for machine, cpus in self.cpus_of.items():
+            self.groups.add(machine, cpus)
+        # As the kernel holds them: (quota, period) in microseconds.
+        return {"machines": dict(self.machine_of),
+                "cpu_groups": {m: list(self.groups.limits(m)) for m in self.cpus_of}}
 
     # Run ------------------------------------------------------------------------------
 
@@ -337,15 +353,7 @@ class ContenderRun:
                 self.net.start()
                 result["qdisc"] = self.net.qdisc(self.tasks[0].name)
             if self.machine_of:
-                self.groups = cpu_groups.CpuGroups(
-                    self.options.machine_cpus, self.options.quota_period_ms,
-                    root=self.options.cgroup_root).check()
-                for machine in dict.fromkeys(self.machine_of.values()):
-                    self.groups.add(machine)
-                result["machines"] = dict(self.machine_of)
-                # As the kernel holds them: (quota, period) in microseconds.
-                result["cpu_groups"] = {m: list(self.groups.limits(m))
-                                        for m in dict.fromkeys(self.machine_of.values())}
+                result.update(self.make_machines())
             addresses = self._addresses() if self.contender != "single" else {}
             if self.contender != "single":
                 result["cluster"] = {t.name: addresses[t.name] for t in self.tasks}

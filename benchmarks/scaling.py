@@ -27,7 +27,7 @@ multiples of N, so they are rounded up). `--per-worker-batch B` is benchmarks.ru
 worker takes B examples per step, a synchronous contender's global batch growing as W x B,
 pss's and ps-async's steps (one worker's) staying B (benchmarks/batches.py); without it,
 every run has the model's global batch. `--machine-cpus C` (`--quota-period-ms`,
-`--colocate`) gives every emulated machine its own CPU share
+`--colocate`, `--ps-cpus`) gives every emulated machine its own CPU share
 (benchmarks/cpu_groups.py); such runs are kept and shown as a network of their own
 ("netns-1gbit-cpu0.5").
 """

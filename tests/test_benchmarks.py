@@ -672,7 +672,7 @@ def test_the_criteo_benchmark_model_has_criteo_examples_tables():
     assert contenders.MODELS["criteo"].build["num_dense"] == criteo.NUM_DENSE
 
 
-# Batches per contender ----------------------------------------------------------------------
+# Batches per contender and the ps tasks' share ------------------------------------------
 
 
 def _parsed(*argv, model="recommender"):
@@ -738,8 +738,15 @@ def test_a_result_of_another_batch_than_the_contenders_is_refused():
     (["--per-worker-batch", "0"], "--per-worker-batch must be at least 1"),
     (["--per-worker-batch", "63", "--devices-per-worker", "2", "--contenders", "hybrid"],
      "--per-worker-batch 63 must be a multiple of --devices-per-worker 2"),
+    (["--ps-cpus", "1"], "--ps-cpus needs --machine-cpus"),
+    (["--machine-cpus", "0.5", "--ps-cpus", "1", "--colocate"],
+     "--ps-cpus and --colocate exclude each other: with --colocate every ps shares a "
+     "machine with a worker, which keeps --machine-cpus"),
+    (["--machine-cpus", "0.5", "--ps-cpus", "-1"], "--ps-cpus must be positive"),
+    (["--machine-cpus", "0.5", "--ps-cpus", "0.05"],
+     "--ps-cpus 0.05 of a 10 ms period is a quota under the kernel's minimum"),
 ])
-def test_run_refuses_batches_no_run_can_have(argv, message, capsys):
+def test_run_refuses_batches_and_shares_no_run_can_have(argv, message, capsys):
     from benchmarks import run as run_lib
 
     with pytest.raises(SystemExit) as stopped:
@@ -748,20 +755,21 @@ def test_run_refuses_batches_no_run_can_have(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_scaling_passes_its_per_worker_batch_to_every_run(monkeypatch):
+def test_scaling_passes_its_per_worker_batch_and_shares_to_every_run(monkeypatch):
     from benchmarks import scaling
 
     ran = []
     monkeypatch.setattr(scaling, "run_benchmark", lambda tag, argv: ran.append(argv))
     options = scaling.parse(["--model", "lm", "--workers", "1,4", "--per-worker-batch",
-                             "128", "--machine-cpus", "0.4"])
+                             "128", "--machine-cpus", "0.4", "--ps-cpus", "0.8"])
     paths = scaling.run_all(options)
     assert [os.path.basename(p) for p in paths] == [
-        "lm-netns-nolimit-cpu0.4-w1-spe1-b128.json",
-        "lm-netns-nolimit-cpu0.4-w4-spe1-b128.json"]
+        "lm-netns-nolimit-cpu0.4-ps0.8-w1-spe1-b128.json",
+        "lm-netns-nolimit-cpu0.4-ps0.8-w4-spe1-b128.json"]
     for argv in ran:  # benchmarks.run sizes each contender's step from it
         assert argv[argv.index("--per-worker-batch") + 1] == "128"
         assert "--global-batch" not in argv
+        assert argv[argv.index("--ps-cpus") + 1] == "0.8"
     with pytest.raises(SystemExit):
         scaling.parse(["--global-batch", "512"])  # scaling sizes by worker only
 
@@ -823,6 +831,11 @@ def test_efficiency_between_takes_runs_of_the_contenders_own_batch_per_worker():
                                       (8, 1), 0.2, contender="pss") is None
     assert report.efficiency_between([runs[0], runs[2]], "recommender", 128, (1, 1),
                                       (8, 1), 0.2) == pytest.approx(700 / 800)
+    # Machines whose ps tasks had another share are another emulation.
+    shared = [dict(r, machines=dict(r["machines"], ps_cpus=0.6)) for r in runs[:2]]
+    assert report.efficiency_between(shared, "recommender", 128, (1, 1), (8, 1), 0.2) is None
+    assert report.efficiency_between(shared, "recommender", 128, (1, 1), (8, 1), 0.2,
+                                     ps_cpus=0.6) == pytest.approx(0.8)
 
 
 def test_scaling_series_of_runs_kept_before_the_per_worker_batch_was_recorded():
@@ -836,6 +849,66 @@ def test_scaling_series_of_runs_kept_before_the_per_worker_batch_was_recorded():
     assert scaling.batch_of(path, new, "pss") == scaling.batch_of(path, new, "hybrid") \
         == "128 per worker"
     assert scaling.batch_of("recommender.json", old, "pss") == "global 512"
+
+
+def test_ps_machines_get_their_own_share_and_threads(tmp_path):
+    from benchmarks import cpu_groups
+
+    tasks = ["chief", "worker0", "worker1", "ps0", "ps1"]
+    assert cpu_groups.shares(cpu_groups.layout(tasks, False), 0.4, 0.6) == {
+        "chief": 0.4, "worker0": 0.4, "worker1": 0.4, "ps0": 0.6, "ps1": 0.6}
+    assert cpu_groups.shares(cpu_groups.layout(tasks, False), 0.4) == dict.fromkeys(tasks, 0.4)
+    # A machine of a worker and a ps is a worker's.
+    assert cpu_groups.shares(cpu_groups.layout(tasks, True), 0.4, 0.6) == {
+        "chief": 0.4, "worker0+ps0": 0.4, "worker1+ps1": 0.4}
+    assert cpu_groups.label(0.4, False, ps_cpus=1.5) == "-cpu0.4-ps1.5"
+    options = _parsed("--machine-cpus", "0.4", "--ps-cpus", "1.5")
+    machines = cpu_groups.describe(options, cpu_groups.CpuGroups(0.4, root=str(tmp_path)))
+    assert (machines["ps_cpus"], machines["ps_quota_us"]) == (1.5, 15000)
+    assert machines["ps_thread_environment"] == {"TF_NUM_INTRAOP_THREADS": "2",
+                                                 "TF_NUM_INTEROP_THREADS": "2"}
+    assert cpu_groups.machines_label(machines) == "-cpu0.4-ps1.5"
+    assert cpu_groups.summary(machines).endswith(
+        "TF threads: 1 intra-op, 2 inter-op), the ps tasks' machines of 1.5 core each "
+        "(quota 15 ms; TF threads: 2 intra-op, 2 inter-op)")
+    assert report._machines_phrase(machines) == "0.4 core, ps 1.5 core (10 ms period)"
+
+
+def test_each_task_runs_in_a_group_of_its_machines_share(tmp_path, cpu_groups_here):
+    from benchmarks import cpu_groups
+    from benchmarks import run as run_lib
+
+    parent = _cgroup_parent(cpu_groups_here)
+    try:
+        for contender, tasks in (("hybrid", ["chief", "worker0", "worker1", "ps0"]),
+                                 ("single", ["chief"])):
+            options = _parsed("--contenders", contender, "--workers", "2", "--ps", "1",
+                              "--machine-cpus", "0.5", "--ps-cpus", "1.5",
+                              "--cgroup-root", parent)
+            run = run_lib.ContenderRun(contender, options, "loopback", str(tmp_path),
+                                       run_label=contender)
+            try:
+                record = run.make_machines()
+                for task in run.tasks:
+                    run._spawn(task, ["sleep", "60"], run_lib._environ())
+                # As the kernel holds them: 15 ms of a 10 ms period for the ps, 5 for others.
+                assert record["cpu_groups"] == {
+                    task: [15000 if task.startswith("ps") else 5000, 10000] for task in tasks}
+                for task in run.tasks:
+                    assert run.groups.pids(task.name) == [task.process.pid]
+                    with open(f"/proc/{task.process.pid}/environ", "rb") as f:
+                        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0")
+                                   if b"=" in item)
+                    # Pools for the machine's share: 2 intra-op threads for 1.5 core.
+                    assert (env[b"TF_NUM_INTRAOP_THREADS"], env[b"TF_NUM_INTEROP_THREADS"]) \
+                        == ((b"2", b"2") if task.job == "ps" else (b"1", b"2")), task.name
+            finally:
+                run._stop()
+                if run.groups is not None:
+                    run.groups.close()
+        assert [n for n in os.listdir(parent) if n.startswith(cpu_groups.PREFIX)] == []
+    finally:
+        os.rmdir(parent)
 
 
 # Horovod (benchmarks/horovod_contender.py): no build, no process -----------------------
