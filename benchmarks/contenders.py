@@ -2,9 +2,11 @@
 
     python -m benchmarks.contenders SPEC.json
 
-SPEC.json (written by the harness) names the contender, the model, the global batch,
-the warm-up and measured steps, the file to write results to, the directory of phase
-markers and this process's task name. Contenders:
+SPEC.json (written by the harness) names the contender, the model, the batch of one step
+("global_batch": the examples one call of the step trains, split over every worker of a
+synchronous contender, all on one worker for an asynchronous one; benchmarks/batches.py
+says how the harness sizes it per contender), the warm-up and measured steps, the file to
+write results to, the directory of phase markers and this process's task name. Contenders:
 
   single     Keras 3, no strategy, one process.
   hybrid     Keras 3, `HybridStrategy(architecture="hybrid")`, this process the chief
@@ -13,7 +15,7 @@ markers and this process's task name. Contenders:
   hybrid-bf16  hybrid with `wire_dtype="bfloat16"`: table rows cross between tasks in
              bfloat16 (tables and their updates stay float32).
   ps-async   Keras 3, `HybridStrategy(architecture="ps", asynchronous=True)`: each step on
-             one worker with the whole global batch, workers not waiting for each other.
+             one worker with the whole step's batch, workers not waiting for each other.
   NAME:key=value:...  a HybridStrategy contender with more options, e.g.
              `hybrid:sparse_update='exact'` (values are Python literals).
   mwms       tf_keras (TF_USE_LEGACY_KERAS=1), `tf.distribute.MultiWorkerMirroredStrategy`:
@@ -46,7 +48,7 @@ measured window starts at `on_train_batch_begin` of the first measured step and 
 `on_train_batch_end` of the last; with N steps per call, a call's time counts as N steps
 of a Nth of it each; the first call (tracing the step, then running it) is timed apart
 ("first_call_seconds"). The asynchronous contenders (ParameterServerStrategy and ps-async)
-run each step on one worker with the whole global batch, and a call returns before its
+run each step on one worker with the whole step's batch, and a call returns before its
 step has finished; `fit` runs two epochs of `steps` steps (the first is the warm-up) and
 the window is the second epoch, which ends once every step has finished
 (`coordinator.join()`, or the end of a ps-async epoch), so only their mean step time is
@@ -151,6 +153,15 @@ def hybrid_options(contender):
             raise ValueError(f"contender {contender!r}: {item!r} is not key=<Python "
                              "literal>, e.g. sparse_update='exact'") from None
     return options
+
+
+def is_asynchronous(contender):
+    """Whether each step of `contender` runs on one worker, the workers not waiting for each
+    other: pss, ps-async, and a HybridStrategy contender given `asynchronous=True`."""
+    base = base_of(contender)
+    if base in ASYNCHRONOUS:
+        return True
+    return base in HYBRID_ARCHITECTURES and bool(hybrid_options(contender).get("asynchronous"))
 
 
 def model_available(name):
@@ -482,7 +493,7 @@ class Trainer:
         self.module = importlib.import_module(self.model_spec.module)
         if self.legacy:
             _adapt_for_tf_keras(self.module)
-        self.asynchronous = base_of(contender) in ASYNCHRONOUS
+        self.asynchronous = is_asynchronous(contender)
 
     @property
     def strategy_name(self):

@@ -8,19 +8,23 @@ each task of a cluster (chief, every worker, every ps, for every contender alike
 worker i and ps i share one (Parallax's layout: a worker and a server per machine; the
 chief, and workers or servers without a partner, keep a machine of their own). This is
 on top of the network namespace and rate-limited link each task already has
-(benchmarks/netem.py): colocated tasks still have a link each.
+(benchmarks/netem.py): colocated tasks still have a link each. With `--ps-cpus C2`, a
+machine holding ps tasks only gets C2 cores instead (parameter servers provisioned larger
+than workers); with `--colocate` every ps shares a worker's machine, so the two are refused
+together.
 
 The quota caps time, not cores: a machine of 0.5 core may run on both of this machine's
 cores at once for a quarter period, then waits for the rest of it. There is no NUMA, no
 cache or memory bandwidth of its own, and no real NIC; see benchmarks/results/README.md.
 
-Each task's TensorFlow thread pools are sized for its share: TF_NUM_INTRAOP_THREADS (the
-threads an op's kernel splits its work over) is set to ceil(C), at least 1, in every
-task's environment, and TF_NUM_INTEROP_THREADS (threads running whole ops) to the same
-but at least 2: with one, ops that block waiting for others starve them, and
-ParameterServerStrategy's steps never finish. TensorFlow reads both wherever no explicit
-thread count was configured: the trainers, and the servers of `python -m
-hybrid_strategy.server`, whose session config leaves both at 0.
+Each task's TensorFlow thread pools are sized for its machine's share:
+TF_NUM_INTRAOP_THREADS (the threads an op's kernel splits its work over) is set to ceil(C)
+(ceil(C2) on a ps machine), at least 1, in every task's environment, and
+TF_NUM_INTEROP_THREADS (threads running whole ops) to the same but at least 2: with one,
+ops that block waiting for others starve them, and ParameterServerStrategy's steps never
+finish. TensorFlow reads both wherever no explicit thread count was configured: the
+trainers, and the servers of `python -m hybrid_strategy.server`, whose session config
+leaves both at 0.
 
 cgroup v1 (a `cpu` hierarchy, /sys/fs/cgroup/cpu: cpu.cfs_period_us, cpu.cfs_quota_us) and
 v2 (/sys/fs/cgroup with the cpu controller enabled: cpu.max) are supported; another root
@@ -31,6 +35,7 @@ starts is in it. Groups are removed when the contender's run ends, whatever the 
 
     groups = CpuGroups(cpus=0.5, period_ms=10).check()  # raises CpuGroupError, says why
     groups.add("worker0")
+    groups.add("ps0", cpus=1.0)  # a machine of another share
     subprocess.Popen(argv, preexec_fn=groups.joiner("worker0"))
     groups.close()
 """
@@ -74,6 +79,10 @@ def add_options(parser):
                        help="give every emulated machine its own CPU share: C cores' worth "
                        "of time (a CFS quota), e.g. 0.33; default: every task shares this "
                        "machine's cores")
+    group.add_argument("--ps-cpus", type=float, default=None, metavar="C",
+                       help="give every machine that holds only ps tasks C cores instead of "
+                       "--machine-cpus (parameter servers provisioned larger than workers; "
+                       "not with --colocate, where each ps shares a worker's machine)")
     group.add_argument("--quota-period-ms", type=float, default=DEFAULT_PERIOD_MS, metavar="MS",
                        help="CFS period of the machines' quotas (default 10)")
     group.add_argument("--machine-threads", choices=THREAD_SIZINGS, default="share",
@@ -92,18 +101,28 @@ def add_options(parser):
 def check_options(parser, options):
     """parser.error for option values no quota can have."""
     if options.machine_cpus is None:
-        if options.colocate:
-            parser.error("--colocate needs --machine-cpus (machines of their own)")
+        for given, name in ((options.colocate, "--colocate"),
+                            (options.ps_cpus is not None, "--ps-cpus")):
+            if given:
+                parser.error(f"{name} needs --machine-cpus (machines of their own)")
         return
+    if options.ps_cpus is not None and options.colocate:
+        parser.error("--ps-cpus and --colocate exclude each other: with --colocate every ps "
+                     "shares a machine with a worker, which keeps --machine-cpus; leave out "
+                     "one of them")
     period_us = round(options.quota_period_ms * 1000)
     if not MIN_QUOTA_US <= period_us <= MAX_PERIOD_US:
         parser.error("--quota-period-ms must be between 1 and 1000")
-    if options.machine_cpus <= 0:
-        parser.error("--machine-cpus must be positive")
-    if round(options.machine_cpus * period_us) < MIN_QUOTA_US:
-        parser.error(f"--machine-cpus {options.machine_cpus:g} of a "
-                     f"{options.quota_period_ms:g} ms period is a quota under the kernel's "
-                     f"minimum of {MIN_QUOTA_US / 1000:g} ms; give a longer period")
+    for name, cpus in (("--machine-cpus", options.machine_cpus),
+                       ("--ps-cpus", options.ps_cpus)):
+        if cpus is None:
+            continue
+        if cpus <= 0:
+            parser.error(f"{name} must be positive")
+        if round(cpus * period_us) < MIN_QUOTA_US:
+            parser.error(f"{name} {cpus:g} of a {options.quota_period_ms:g} ms period is a "
+                         f"quota under the kernel's minimum of {MIN_QUOTA_US / 1000:g} ms; "
+                         "give a longer period")
 
 
 def from_options(options):
@@ -122,6 +141,8 @@ def forward(options):
     argv = ["--machine-cpus", f"{options.machine_cpus:g}",
             "--quota-period-ms", f"{options.quota_period_ms:g}",
             "--machine-threads", options.machine_threads]
+    if options.ps_cpus is not None:
+        argv += ["--ps-cpus", f"{options.ps_cpus:g}"]
     if options.colocate:
         argv.append("--colocate")
     if options.cgroup_root:
@@ -170,21 +191,33 @@ def layout(tasks, colocate):
     return machines
 
 
-def label(cpus, colocate, period_ms=DEFAULT_PERIOD_MS, sizing="share"):
+def shares(machine_of, cpus, ps_cpus=None):
+    """{machine: its cores} of a layout() `machine_of`: `ps_cpus` for a machine that holds
+    ps tasks only, where given; `cpus` for every other."""
+    tasks_on = {}
+    for task, machine in machine_of.items():
+        tasks_on.setdefault(machine, []).append(task)
+    return {machine: (ps_cpus if ps_cpus is not None
+                      and all(task.rstrip("0123456789") == "ps" for task in tasks) else cpus)
+            for machine, tasks in tasks_on.items()}
+
+
+def label(cpus, colocate, period_ms=DEFAULT_PERIOD_MS, sizing="share", ps_cpus=None):
     """File-name part of a run with machines: "-cpu0.33", "-cpu0.33-colocated",
     "-cpu0.33-period5ms" (a period other than the default), "-cpu0.33-hostthreads"
-    (thread pools of another sizing than "share")."""
+    (thread pools of another sizing than "share"), "-cpu0.33-ps1" (ps machines of 1 core)."""
     if cpus is None:
         return ""
-    return (f"-cpu{cpus:g}" + (f"-period{period_ms:g}ms" if period_ms != DEFAULT_PERIOD_MS
-                               else "") + (f"-{sizing}threads" if sizing != "share" else "")
+    return (f"-cpu{cpus:g}" + (f"-ps{ps_cpus:g}" if ps_cpus is not None else "")
+            + (f"-period{period_ms:g}ms" if period_ms != DEFAULT_PERIOD_MS else "")
+            + (f"-{sizing}threads" if sizing != "share" else "")
             + ("-colocated" if colocate else ""))
 
 
 def options_label(options):
     """label() of a benchmark's parsed options."""
     return label(options.machine_cpus, options.colocate, options.quota_period_ms,
-                 options.machine_threads)
+                 options.machine_threads, options.ps_cpus)
 
 
 def machines_label(machines):
@@ -192,23 +225,31 @@ def machines_label(machines):
     if not machines:
         return ""
     return label(machines["cpus"], machines["colocate"], machines["quota_period_ms"],
-                 machines.get("thread_sizing", "share"))
+                 machines.get("thread_sizing", "share"), machines.get("ps_cpus"))
 
 
 def describe(options, groups):
     """What a results file records about the machines (None: all tasks share the cores)."""
     if groups is None:
         return None
-    return {"cpus": options.machine_cpus, "quota_period_ms": options.quota_period_ms,
-            "quota_us": groups.quota_us, "period_us": groups.period_us,
-            "colocate": bool(options.colocate),
-            "layout": ("worker i and ps i on one machine (Parallax's layout), the chief "
-                       "on its own" if options.colocate else "one machine per task"),
-            "threads_per_task": threads(options.machine_cpus),  # intra-op
-            "thread_sizing": options.machine_threads,
-            "thread_environment": thread_environment(options.machine_cpus,
-                                                     options.machine_threads),
-            "cgroup": f"v{groups.version} {groups.root}"}
+    described = {
+        "cpus": options.machine_cpus, "quota_period_ms": options.quota_period_ms,
+        "quota_us": groups.quota_us, "period_us": groups.period_us,
+        "colocate": bool(options.colocate),
+        "layout": ("worker i and ps i on one machine (Parallax's layout), the chief "
+                   "on its own" if options.colocate else "one machine per task"),
+        "threads_per_task": threads(options.machine_cpus),  # intra-op
+        "thread_sizing": options.machine_threads,
+        "thread_environment": thread_environment(options.machine_cpus,
+                                                 options.machine_threads),
+        "ps_cpus": options.ps_cpus,
+        "cgroup": f"v{groups.version} {groups.root}"}
+    if options.ps_cpus is not None:
+        described.update(
+            ps_quota_us=groups.quota_of(options.ps_cpus),
+            ps_thread_environment=thread_environment(options.ps_cpus,
+                                                     options.machine_threads))
+    return described
 
 
 def summary(machines, nproc=None):
@@ -216,18 +257,22 @@ def summary(machines, nproc=None):
     if not machines:
         return ("all tasks share this machine's "
                 + (f"{nproc} cores" if nproc else "cores"))
-    return (f"machines of {machines['cpus']:g} core each (CFS quota "
+    text = (f"machines of {machines['cpus']:g} core each (CFS quota "
             f"{machines['quota_us'] / 1000:g} ms per {machines['quota_period_ms']:g} ms "
             f"period; {machines['layout']}; TF threads: "
-            + _threads_phrase(machines) + ")")
+            + _threads_phrase(machines, machines.get("thread_environment")) + ")")
+    if machines.get("ps_cpus") is None:
+        return text
+    return (text + f", the ps tasks' machines of {machines['ps_cpus']:g} core each (quota "
+            f"{machines['ps_quota_us'] / 1000:g} ms; TF threads: "
+            + _threads_phrase(machines, machines.get("ps_thread_environment")) + ")")
 
 
-def _threads_phrase(machines):
+def _threads_phrase(machines, env):
     if machines.get("thread_sizing") == "host":
         return "TensorFlow's defaults, sized for this host's cores"
     if machines.get("thread_sizing") == "auto":
         return "servers sized from their quota, trainers TensorFlow's defaults"
-    env = machines.get("thread_environment")
     if not env:
         return f"{machines['threads_per_task']} per pool"
     return (f"{env['TF_NUM_INTRAOP_THREADS']} intra-op, "
@@ -254,12 +299,13 @@ _WHAT_TO_DO = (f"Run as root on a machine whose cgroup cpu controller is mounted
 
 
 class CpuGroups:
-    """The CPU groups of one contender's run under `root`, each of `cpus` cores' worth."""
+    """The CPU groups of one contender's run under `root`, each of `cpus` cores' worth
+    unless added with another share."""
 
     def __init__(self, cpus, period_ms=DEFAULT_PERIOD_MS, root=None, run_id=None):
         self.cpus = cpus
         self.period_us = round(period_ms * 1000)
-        self.quota_us = round(cpus * self.period_us)
+        self.quota_us = self.quota_of(cpus)
         self.root = os.path.abspath(root or default_root())
         self.run_id = run_id or secrets.token_hex(2)
         self.version = None
@@ -303,7 +349,7 @@ class CpuGroups:
             if not os.path.exists(os.path.join(probe, control)):
                 self._fail(f"{root} is not a cgroup file system: a group made there has "
                            f"no {control}")
-            self._limit(probe)
+            self._limit(probe, self.quota_us)
         except OSError as e:
             self._fail(f"cannot set a CPU quota in {probe}: {e}")
         finally:
@@ -313,15 +359,20 @@ class CpuGroups:
     def path(self, machine):
         return os.path.join(self.root, f"{PREFIX}{self.run_id}-{machine}")
 
-    def _limit(self, path):
+    def quota_of(self, cpus):
+        """The CFS quota, in microseconds per period, of a machine of `cpus` cores."""
+        return round(cpus * self.period_us)
+
+    def _limit(self, path, quota_us):
         if self.version == 1:
             _write(os.path.join(path, "cpu.cfs_period_us"), self.period_us)
-            _write(os.path.join(path, "cpu.cfs_quota_us"), self.quota_us)
+            _write(os.path.join(path, "cpu.cfs_quota_us"), quota_us)
         else:
-            _write(os.path.join(path, "cpu.max"), f"{self.quota_us} {self.period_us}")
+            _write(os.path.join(path, "cpu.max"), f"{quota_us} {self.period_us}")
 
-    def add(self, machine):
-        """Creates the group of `machine` with its quota (once); returns its path."""
+    def add(self, machine, cpus=None):
+        """Creates the group of `machine` with the quota of `cpus` cores (default: the
+        groups' share), once; returns its path."""
         path = self.path(machine)
         if path in self._created:
             return path
@@ -333,7 +384,7 @@ class CpuGroups:
             raise CpuGroupError(f"{path} exists already; remove leftovers with "
                                 "`python -m benchmarks.cpu_groups --cleanup`") from None
         self._created.append(path)
-        self._limit(path)
+        self._limit(path, self.quota_us if cpus is None else self.quota_of(cpus))
         return path
 
     def limits(self, machine):

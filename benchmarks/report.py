@@ -4,9 +4,10 @@
 
 Reads every JSON file that `python -m benchmarks.run` wrote there and writes
 `README.md` beside them: per run, the machine (nproc, CPU, kernel), date, network and
-exact command, then the table of contenders (throughput and ratio to one process alone,
-median step time, bytes per worker per step beside the lower bound, bytes of the chief and
-ps, peak RSS per task) and the bytes of every task; then the targets, met or not.
+exact command, then the table of contenders (batch per step, throughput and ratio to one
+process alone, median step time, bytes per worker per step beside the lower bound, bytes of
+the chief and ps, peak RSS per task) and the bytes of every task; then the targets, met or
+not.
 With matplotlib it also draws, as PNG beside them, throughput against the number of
 workers per contender (one figure per model and network), and each run's bytes per
 worker per step against its lower bound. Plots need matplotlib (`pip install matplotlib`).
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 
+from benchmarks import batches
 from benchmarks import contenders
 from benchmarks import cpu_groups
 from benchmarks import trace_summary
@@ -79,8 +81,8 @@ def _rss_cell(c):
 def title(run):
     cfg = run["config"]
     repeats = cfg.get("repeats", 1)
-    return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, global batch "
-            f"{cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps"
+    return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, "
+            f"{batches.phrase(cfg)}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps"
             + (f", median of {repeats} runs" if repeats > 1 else "")
             + f"{' (--quick)' if run.get('quick') else ''}"
             + f"{', traced by the profiler (--profile)' if run.get('profiled') else ''}, "
@@ -100,8 +102,11 @@ def _machines_label(run):
 
 
 def _machines_phrase(m):
-    """"0.5 core (10 ms period, worker i + ps i colocated)" of a run's machines."""
-    return (f"{m['cpus']:g} core ({m['quota_period_ms']:g} ms period"
+    """"0.5 core (10 ms period, worker i + ps i colocated)", "0.5 core, ps 1 core (10 ms
+    period)" of a run's machines."""
+    return (f"{m['cpus']:g} core"
+            + (f", ps {m['ps_cpus']:g} core" if m.get("ps_cpus") is not None else "")
+            + f" ({m['quota_period_ms']:g} ms period"
             + {"host": ", host-sized thread pools",
                "auto": ", servers' pools sized from their quota"}.get(
                    m.get("thread_sizing"), "")
@@ -115,16 +120,16 @@ def markdown(run):
     unit = run["config"].get("unit", "examples")
     lb = bound.get("sent_plus_received")
     lines = [f"### {title(run)}", "",
-             f"| contender | Keras | {unit}/s | vs single | median step ms | "
+             f"| contender | Keras | batch per step | {unit}/s | vs single | median step ms | "
              "worker bytes/step (sent+recv) | lower bound | measured / bound | "
              "chief bytes/step | ps bytes/step | peak RSS MiB (chief / workers / ps) | "
              "last loss logged |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for c in run["contenders"]:
         if c.get("status") != "ok":
             reason = c.get("error") or c.get("status")
-            lines.append(f"| {c['contender']} | {c.get('keras', '')} | **failed**: "
-                         f"{md_escape(reason)} | | | | | | | | | |")
+            lines.append(f"| {c['contender']} | {c.get('keras', '')} | {_batch_cell(run, c)} "
+                         f"| **failed**: {md_escape(reason)} | | | | | | | | | |")
             continue
         s = c.get("summary", {})
         alone = c["contender"] == "single"
@@ -144,18 +149,37 @@ def markdown(run):
         if len(spread) > 1:
             throughput += f" ({min(spread):,.0f}-{max(spread):,.0f}, {len(spread)} runs)"
         lines.append(
-            f"| {c['contender']} | {c.get('keras')} | {throughput} | {ratio} | "
+            f"| {c['contender']} | {c.get('keras')} | {_batch_cell(run, c)} | {throughput} | "
+            f"{ratio} | "
             f"{step} | {'0' if alone else fmt_bytes(s.get('worker_bytes_per_step_mean'))} | "
             f"{'' if alone else fmt_bytes(lb)} | {vs} | "
             f"{'' if alone else fmt_bytes(s.get('chief_bytes_per_step_mean'))} | "
             f"{'' if alone else fmt_bytes(s.get('ps_bytes_per_step_mean'))} | "
             f"{_rss_cell(c)} | {_loss_cell(c)} |")
     for note in run.get("not_run", []):
-        lines.append(f"| {note['contender']} | | {note['reason']} | | | | | | | | | |")
+        lines.append(f"| {note['contender']} | | | {note['reason']} | | | | | | | | | |")
     lines += ["", bound_line(bound), ""]
     lines += per_task_table(run)
     lines += profile_sections(run)
     return "\n".join(lines)
+
+
+def step_batch(run, c):
+    """Examples in one step of contender result `c` of `run` (files written before the
+    harness recorded it: the trainer's "global_batch", else the run's)."""
+    cfg = run["config"]
+    return (c.get("batch_per_step") or c.get("global_batch")
+            or batches.step_batch(c["contender"], cfg["workers"], cfg["global_batch"],
+                                  cfg.get("per_worker_batch")))
+
+
+def per_worker_batch(run, c):
+    """Examples one worker takes in a step of contender result `c` of `run`."""
+    return batches.per_worker(c["contender"], step_batch(run, c), run["config"]["workers"])
+
+
+def _batch_cell(run, c):
+    return batches.cell(c["contender"], step_batch(run, c), run["config"]["workers"])
 
 
 def bound_line(bound):
@@ -246,13 +270,13 @@ def _is_target_cluster(run, ps, machines=None, workers=4):
 
 
 def _cpu_ratio(run, a, b):
-    """CPU time of all of `a`'s tasks per step over `b`'s (the same global batch)."""
+    """CPU time of all of `a`'s tasks per example over `b`'s."""
     totals = []
     for contender in (_ok(run, a), _ok(run, b)):
         cpu = [e.get("cpu_ms_per_step") for e in (contender or {}).get("per_task", {}).values()]
         if not cpu or None in cpu:
             return None
-        totals.append(sum(cpu))
+        totals.append(sum(cpu) / step_batch(run, contender))
     return totals[0] / totals[1]
 
 
@@ -277,11 +301,13 @@ def targets(runs):
             rows.append((name, fmt.format(value), met))
 
     def headline(model, ps=2, machines=None, versus=None):
-        """The full (not --quick) run on 4 workers + `ps` ps, 1 Gbit/s links, measured
-        longest: the most repeats, then the most measured steps; with `versus`, of the
-        runs where it and the hybrid both finished."""
+        """The full (not --quick) run on 4 workers + `ps` ps, 1 Gbit/s links, of one global
+        batch for every contender (no --per-worker-batch), measured longest: the most
+        repeats, then the most measured steps; with `versus`, of the runs where it and
+        the hybrid both finished."""
         found = [r for r in runs if r["model"] == model and _is_target_cluster(r, ps, machines)
                  and not r.get("quick") and not r.get("profiled")
+                 and not r["config"].get("per_worker_batch")
                  and (versus is None or (_ok(r, "hybrid") and _ok(r, versus)))]
         return max(found, key=_measured_longest, default=None)
 
@@ -387,17 +413,20 @@ def step_floor(workers, results_dir=None):
     return None
 
 
-def efficiency_between(runs, model, per_worker, small, large, cpus, contender="hybrid"):
+def efficiency_between(runs, model, per_worker, small, large, cpus, contender="hybrid",
+                       ps_cpus=None):
     """`contender`'s throughput on `large` = (workers, ps) over (large workers / small
     workers) times its throughput on `small`, both on machines of `cpus` cores (one task
-    each), 1 Gbit/s links and `per_worker` examples per worker; each the run measured
-    longest; None unless both were measured."""
+    each; the ps tasks' of `ps_cpus`, where given), 1 Gbit/s links and `per_worker`
+    examples per worker in each of `contender`'s steps; each the run measured longest;
+    None unless both were measured."""
     def measures(run, workers, ps):
+        found = _ok(run, contender)
         return (run["model"] == model and not run.get("quick") and not run.get("profiled")
                 and _is_target_cluster(run, ps, machines="own", workers=workers)
                 and run["machines"]["cpus"] == cpus
-                and run["config"]["global_batch"] == per_worker * workers
-                and _ok(run, contender))
+                and run["machines"].get("ps_cpus") == ps_cpus
+                and found is not None and per_worker_batch(run, found) == per_worker)
 
     throughput = {}
     for workers, ps in (small, large):
@@ -419,7 +448,7 @@ def scaling_efficiencies(model, contender="hybrid", results_dir=None):
             continue
         with open(path) as f:
             run = json.load(f)
-        rows += [r for r in scaling.rows_of(run, batch=scaling.batch_of(path, run))
+        rows += [r for r in scaling.rows_of(run, path=path)
                  if r["model"] == model and r["contender"] == contender and r["machines"]
                  and r["batch"].endswith("per worker")]
     found = {}
@@ -454,10 +483,10 @@ DEFAULT_WINDOW = (5, 30)
 
 
 def _group_key(run):
-    """Runs drawn on one throughput-vs-workers plot: same model, network, machines, batch
-    and window."""
+    """Runs drawn on one throughput-vs-workers plot: same model, network, machines, batches
+    (one global batch, or one batch per worker: batches.label) and window."""
     net, cfg = run["network"], run["config"]
-    return (run["model"], net["mode"], net.get("link_gbit"), cfg["global_batch"],
+    return (run["model"], net["mode"], net.get("link_gbit"), batches.label(cfg),
             cfg["warmup"], cfg["steps"], _machines_key(run))
 
 
@@ -502,7 +531,7 @@ def plot(runs, results_dir):
         ax.set_ylabel(f"{unit}/s")
         network = (f"{link:g} Gbit/s links" if mode == "netns" and link else
                    "namespaces, no limit" if mode == "netns" else "loopback")
-        ax.set_title(f"{model}: throughput vs workers ({network}, batch {batch}"
+        ax.set_title(f"{model}: throughput vs workers ({network}, batch: {batch}"
                      f"{_machines_label(group[0])})", fontsize=10)
         workers = sorted({r["config"]["workers"] for r in group})
         ax.set_xticks(workers)
@@ -513,7 +542,8 @@ def plot(runs, results_dir):
         cores = machines or ""
         # Groups apart only by their batch would otherwise draw over each other's file.
         spec = contenders.MODELS.get(model)
-        sized = "" if spec is None or batch == spec.global_batch else f"-b{batch}"
+        sized = ("" if spec is None or batch == f"global {spec.global_batch}"
+                 else "-" + batch.replace("global ", "b").replace(" per worker", "-per-worker"))
         name = f"{_slug(model)}-throughput-{_slug(network)}{cores}{sized}{window}.png"
         fig.tight_layout()
         fig.savefig(os.path.join(results_dir, name), dpi=110)
@@ -585,7 +615,8 @@ def machines_section(runs, results_dir):
         ratios = [_ratio(run, "hybrid", other) for other in ("pss", "mwms")]
         lines.append(
             f"| {run['model']} ({cfg.get('unit', 'examples')}/s) | {cfg['workers']} workers "
-            f"+ {cfg['ps']} ps, {_network_phrase(run)} | {_machines_phrase(m)} | "
+            f"+ {cfg['ps']} ps, {_network_phrase(run)}, batch: {batches.label(cfg)} | "
+            f"{_machines_phrase(m)} | "
             + " | ".join(cells) + " | "
             + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratios)
             + f" | {cfg.get('repeats', 1)} |")
@@ -607,10 +638,14 @@ def readme(runs, images, results_dir=RESULTS_DIR):
     lines = ["# Benchmark results", "",
              "Generated by `python -m benchmarks.report` from the JSON files here, each "
              "written by one `python -m benchmarks.run` (the command is given with each "
-             "table). Every contender trains the same model from `keras_examples/` with "
-             "the same global batch and data on a fresh cluster of real processes; "
-             "`benchmarks/run.py`, `benchmarks/contenders.py` and "
-             "`benchmarks/lower_bound.py` say exactly how.", "",
+             "table). Every contender trains the same model from `keras_examples/` on the "
+             "same data on a fresh cluster of real processes, with the same global batch "
+             "or, in runs made with `--per-worker-batch B`, the same B examples per worker "
+             "per step (a synchronous global batch of W x B; asynchronous steps, each one "
+             "worker's, and single's of B); each table gives every contender's batch per "
+             "step. `benchmarks/run.py`, `benchmarks/batches.py`, `benchmarks/contenders.py` "
+             "and `benchmarks/lower_bound.py` say exactly how; targets take runs of one "
+             "global batch, and no plot or target series mixes the two.", "",
              "- **Targets** take, per model and cluster, the run measured longest (the "
              "most repeats, then the most measured steps): where a step lasts a few "
              "milliseconds, the default 30 steps last a fraction of a second, still within "
@@ -633,8 +668,9 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "worker (the servers carry the rest).",
              "- `pss` (ParameterServerStrategy) and `ps-async` (HybridStrategy(architecture="
              "'ps', asynchronous=True)) are asynchronous: each step runs on one worker with "
-             "the whole global batch, so a worker moves the bytes of 1/W of the steps, and "
-             "only their mean step time is known.",
+             "the whole step's batch (the global batch, or B with `--per-worker-batch B`), "
+             "so a worker moves the bytes of 1/W of the steps, and only their mean step "
+             "time is known.",
              "- *last loss logged* is the training loss Keras reported at the end, to "
              "show that each contender trained the same model: under "
              "MultiWorkerMirroredStrategy tf_keras logs N times the loss (the figures are "
@@ -669,8 +705,10 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "of C cores per period, one task per machine or, with `--colocate`, worker i "
              "and ps i on one (Parallax's layout), and every task's TensorFlow thread "
              "pools are sized for it (ceil(C) intra-op threads; inter-op the same but at "
-             "least 2, as ParameterServerStrategy hangs with one); each table names the "
-             "share, period and layout. "
+             "least 2, as ParameterServerStrategy hangs with one); with `--ps-cpus C2` "
+             "the machines of ps tasks have C2 cores (and pools for C2), as parameter "
+             "servers are provisioned larger than workers; each table names the "
+             "shares, period and layout. "
              "It is an emulation: a quota of time on the same 2 cores, not cores of its "
              "own (a machine of 0.5 core may run on both cores for a quarter period, then "
              "wait); no NUMA, no cache or memory bandwidth of its own, no real NIC (the "

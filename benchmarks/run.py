@@ -5,8 +5,14 @@ process alone: throughput, step time, bytes on the wire per task, peak memory pe
         --contenders hybrid,allreduce,ps,mwms,pss,single --workers 2 --ps 1 --link-gbit 1
 
 For each contender, in turn, the harness starts a fresh cluster on this machine as real
-processes, with the same model, global batch and data (benchmarks/contenders.py says what
-each contender runs):
+processes, with the same model and data (benchmarks/contenders.py says what each contender
+runs) and batches sized one of two ways (benchmarks/batches.py): `--global-batch G`
+(default: the model's), every contender's step G examples, split over the workers of a
+synchronous contender, all on one worker for an asynchronous one (pss, ps-async) and in
+one process for `single`; or `--per-worker-batch B`, every worker B examples per step:
+synchronous contenders a global batch of W x B, pss's and ps-async's steps (one worker's)
+and single's B. Throughput is examples (tokens) per second either way; the table and the
+JSON give each contender's batch per step.
 
   hybrid, ps      chief + W workers + P ps; servers `python -m hybrid_strategy.server
                   --thread-spinning off` (pss's too: the tasks share this machine's cores)
@@ -50,7 +56,9 @@ Machines of their own: with `--machine-cpus C` every emulated machine also gets 
 CPU share, a cgroup with a CFS quota of C cores per `--quota-period-ms` (every task of
 every contender on a machine of its own, the chief and `single` too; with `--colocate`
 worker i and ps i share one, Parallax's layout), and each task's TensorFlow thread pools
-are sized for it (ceil(C) intra-op threads; inter-op the same but at least 2). benchmarks/cpu_groups.py says how; where cgroups
+are sized for it (ceil(C) intra-op threads; inter-op the same but at least 2). With
+`--ps-cpus C2` too, a machine holding ps tasks only gets C2 cores (and pools for C2)
+instead; not with `--colocate`. benchmarks/cpu_groups.py says how; where cgroups
 cannot be written the run stops before any process starts, saying why. Without it, every
 task shares this machine's cores, as before; the report names which with every table.
 """
@@ -70,6 +78,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import batches
 from benchmarks import contenders as contenders_lib
 from benchmarks import cpu_groups
 from benchmarks import horovod_contender
@@ -254,10 +263,15 @@ class ContenderRun:
         self.tasks = cluster_tasks(contender, options.workers, options.ps)
         self.trainers = trainers_of(contender, self.tasks)
         self.servers = [t for t in self.tasks if t not in self.trainers]
+        # Examples in one of this contender's steps (benchmarks/batches.py).
+        self.batch = batches.step_batch(contender, options.workers, options.global_batch,
+                                        options.per_worker_batch)
         self.net = None
         self.groups = None  # cpu_groups.CpuGroups with --machine-cpus
         self.machine_of = (cpu_groups.layout([t.name for t in self.tasks], options.colocate)
                            if getattr(options, "machine_cpus", None) else {})
+        self.cpus_of = (cpu_groups.shares(self.machine_of, options.machine_cpus, options.ps_cpus)
+                        if self.machine_of else {})  # {machine: its cores}
         self.samples = {}  # phase -> {"counters", "tcp", "time"}
         self.rss = {}
         self.commands = []
@@ -291,13 +305,13 @@ class ContenderRun:
         command = {"task": task.name, "argv": shlex.join(full),
                    "TF_CONFIG": env.get("TF_CONFIG")}
         if self.groups is not None:
-            # Thread pools sized for the machine's share (cpu_groups.thread_environment);
-            # the child joins its machine's group before it execs, so every thread it
-            # starts runs under the quota.
-            threads = cpu_groups.thread_environment(self.options.machine_cpus,
+            # Thread pools sized for the share of the task's machine
+            # (cpu_groups.thread_environment); the child joins its machine's group before
+            # it execs, so every thread it starts runs under the quota.
+            machine = self.machine_of[task.name]
+            threads = cpu_groups.thread_environment(self.cpus_of[machine],
                                                     self.options.machine_threads)
             env = dict(env, **threads)
-            machine = self.machine_of[task.name]
             join, die_with_us = self.groups.joiner(machine), preexec
 
             def preexec():
@@ -310,11 +324,26 @@ class ContenderRun:
             full, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=task.log,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
 
+    def make_machines(self):
+        """Makes every machine's CPU group with its share (ps machines: --ps-cpus); returns
+        what the results record of them."""
+        self.groups = cpu_groups.CpuGroups(
+            self.options.machine_cpus, self.options.quota_period_ms,
+            root=self.options.cgroup_root).check()
+        for machine, cpus in self.cpus_of.items():
+            self.groups.add(machine, cpus)
+        # As the kernel holds them: (quota, period) in microseconds.
+        return {"machines": dict(self.machine_of),
+                "cpu_groups": {m: list(self.groups.limits(m)) for m in self.cpus_of}}
+
     # Run ------------------------------------------------------------------------------
 
     def run(self):
         result = {"contender": self.contender,
                   "tasks": [t.name for t in self.tasks],
+                  "batch_per_step": self.batch,
+                  "batch_per_worker": batches.per_worker(self.contender, self.batch,
+                                                         self.options.workers),
                   "loadavg_before": os.getloadavg()[0]}
         started = time.monotonic()
         try:
@@ -324,15 +353,7 @@ class ContenderRun:
                 self.net.start()
                 result["qdisc"] = self.net.qdisc(self.tasks[0].name)
             if self.machine_of:
-                self.groups = cpu_groups.CpuGroups(
-                    self.options.machine_cpus, self.options.quota_period_ms,
-                    root=self.options.cgroup_root).check()
-                for machine in dict.fromkeys(self.machine_of.values()):
-                    self.groups.add(machine)
-                result["machines"] = dict(self.machine_of)
-                # As the kernel holds them: (quota, period) in microseconds.
-                result["cpu_groups"] = {m: list(self.groups.limits(m))
-                                        for m in dict.fromkeys(self.machine_of.values())}
+                result.update(self.make_machines())
             addresses = self._addresses() if self.contender != "single" else {}
             if self.contender != "single":
                 result["cluster"] = {t.name: addresses[t.name] for t in self.tasks}
@@ -391,7 +412,7 @@ class ContenderRun:
     def trainer_spec(self, task):
         """What the training program of `task` is told (SPEC.json)."""
         spec = {"contender": self.contender, "model": self.options.model_name,
-                "global_batch": self.options.global_batch, "steps": self.options.steps,
+                "global_batch": self.batch, "steps": self.options.steps,
                 "warmup": self.options.warmup, "num_ps": self.options.ps,
                 "steps_per_execution": self.options.steps_per_execution,
                 "result": os.path.join(self.workdir, "result.json"),
@@ -486,7 +507,7 @@ class ContenderRun:
         path = os.path.join(self.workdir, "result.json")
         with open(path) as f:
             result = json.load(f)
-        _check_result(result, self.options, self.contender)
+        _check_result(result, self.options, self.contender, self.batch)
         per_task = self.task_usage(result["steps"])
         if ("chief" in per_task and per_task["chief"].get("peak_rss_mib") is None
                 and result.get("chief_vmhwm_kib")):
@@ -634,12 +655,13 @@ def _throttling(machine, start, end, steps):
                                       - stats[0]["throttled_us"]) / 1000 / steps}
 
 
-def _check_result(result, options, contender):
-    """Refuses a result that does not describe the run that was asked for."""
+def _check_result(result, options, contender, batch):
+    """Refuses a result that does not describe the run that was asked for (steps of
+    `batch` examples)."""
     problems = []
     if result.get("contender") != contender or result.get("model") != options.model_name:
         problems.append(f"it names {result.get('contender')}/{result.get('model')}")
-    if result.get("steps") != options.steps or result.get("global_batch") != options.global_batch:
+    if result.get("steps") != options.steps or result.get("global_batch") != batch:
         problems.append(f"{result.get('steps')} steps of batch {result.get('global_batch')}")
     if result.get("synchronous") and len(result.get("step_times_s") or ()) != options.steps:
         problems.append(f"{len(result.get('step_times_s') or ())} step times")
@@ -735,10 +757,7 @@ def parse(argv):
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="Keras compile(steps_per_execution=N): steps per call of the "
                         "training function; --steps and --warmup must be multiples of it")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help="default: the model's (" + ", ".join(
-                            f"{name} {spec.global_batch}"
-                            for name, spec in contenders_lib.MODELS.items()) + ")")
+    batches.add_options(parser)
     parser.add_argument("--json", help="results file (default under benchmarks/results/)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK['steps']} measured and {QUICK['warmup']} warm-up steps")
@@ -767,12 +786,19 @@ def parse(argv):
     cpu_groups.check_options(parser, options)
     if options.quick:
         options.steps, options.warmup = QUICK["steps"], QUICK["warmup"]
+    options.global_batch_arg = options.global_batch  # each model's run sets global_batch
     options.contender_list = [c.strip() for c in options.contenders.split(",") if c.strip()]
     unknown = [c for c in options.contender_list
                if contenders_lib.base_of(c) not in contenders_lib.CONTENDERS and c != "horovod"]
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from "
                      f"{', '.join(contenders_lib.CONTENDERS)}")
+    for contender in options.contender_list:
+        if ":" in contender:
+            try:
+                contenders_lib.hybrid_options(contender)
+            except ValueError as e:
+                parser.error(str(e))
     options.models = [m.strip() for m in options.model.split(",") if m.strip()]
     for m in options.models:
         if m not in contenders_lib.MODELS:
@@ -783,6 +809,7 @@ def parse(argv):
         parser.error("--steps and --warmup must be at least 1 (the first step traces)")
     if options.devices_per_worker < 1:
         parser.error("--devices-per-worker must be at least 1")
+    batches.check_options(parser, options)
     others = [c for c in options.contender_list if c not in contenders_lib.HYBRID_ARCHITECTURES]
     if options.devices_per_worker > 1 and others:
         parser.error(f"--devices-per-worker applies to hybrid, allreduce and ps only; "
@@ -815,10 +842,16 @@ def network_mode(options):
     return ("netns", "") if ok else ("loopback", why)
 
 
-def run_model(options, model, mode, why, argv):
+def configure(options, model):
+    """Sets the options of `model`'s run: its name and its global batch."""
     options.model_name = model
+    options.global_batch = batches.synchronous_global_batch(
+        model, options.workers, options.global_batch_arg, options.per_worker_batch)
+
+
+def run_model(options, model, mode, why, argv):
+    configure(options, model)
     spec = contenders_lib.MODELS[model]
-    options.global_batch = options.global_batch_arg or spec.global_batch
     replicas = options.workers * options.devices_per_worker
     if options.global_batch % replicas:
         raise SystemExit(f"--global-batch {options.global_batch} must be a multiple of "
@@ -847,7 +880,8 @@ def run_model(options, model, mode, why, argv):
                     "fallback_reason": why if mode == "loopback" else None},
         "config": {"workers": options.workers, "ps": options.ps,
                    "devices_per_worker": options.devices_per_worker,
-                   "global_batch": options.global_batch, "steps": options.steps,
+                   "global_batch": options.global_batch,
+                   "per_worker_batch": options.per_worker_batch, "steps": options.steps,
                    "repeats": options.repeats,
                    "steps_per_execution": options.steps_per_execution,
                    "warmup": options.warmup, "unit": spec.unit,
@@ -947,6 +981,7 @@ def run_contender(contender, options, mode, workdir, bound, model, round_index=0
     if result["status"] == "ok":
         summarize(result, bound)
         print(f"[{model}] {contender}: {result['units_per_s']:,.0f} {result['unit']}/s, "
+              f"steps of {result['batch_per_step']}, "
               f"median step {result['median_step_s'] * 1000:.1f} ms, "
               f"{result['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
     else:
@@ -977,7 +1012,6 @@ def main(argv=None):
     except cpu_groups.CpuGroupError as e:
         print(f"python -m benchmarks.run: error: {e}", file=sys.stderr, flush=True)
         return 2
-    options.global_batch_arg = options.global_batch
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         mode, why = network_mode(options)

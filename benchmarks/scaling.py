@@ -23,9 +23,13 @@ CPU time per step counts only the time a process itself ran, so it holds when ot
 programs share the machine; examples/s (wall clock) does not: on a shared machine,
 compare throughput only between runs made back to back. Keep runs short (the
 defaults: 5 warm-up and 40 measured steps; with N steps per call both must be
-multiples of N, so they are rounded up). `--machine-cpus C` (`--quota-period-ms`,
-`--colocate`) gives every emulated machine its own CPU share (benchmarks/cpu_groups.py);
-such runs are kept and shown as a network of their own ("netns-1gbit-cpu0.5").
+multiples of N, so they are rounded up). `--per-worker-batch B` is benchmarks.run's: every
+worker takes B examples per step, a synchronous contender's global batch growing as W x B,
+pss's and ps-async's steps (one worker's) staying B (benchmarks/batches.py); without it,
+every run has the model's global batch. `--machine-cpus C` (`--quota-period-ms`,
+`--colocate`, `--ps-cpus`) gives every emulated machine its own CPU share
+(benchmarks/cpu_groups.py); such runs are kept and shown as a network of their own
+("netns-1gbit-cpu0.5").
 """
 
 import argparse
@@ -37,6 +41,7 @@ import re
 import shlex
 import sys
 
+from benchmarks import batches
 from benchmarks import cpu_groups
 from benchmarks import machine
 from benchmarks import report
@@ -57,13 +62,19 @@ def run_file(model, network, workers, steps_per_execution, per_worker_batch=None
                         f"{batch}.json")
 
 
-def batch_of(path, run):
-    """How a kept run's batch was chosen, as its file name says ("-b128": 128 per worker,
-    the global batch growing with W), for the series it belongs to."""
-    match = re.search(r"-b(\d+)(?:-before)?\.json$", os.path.basename(path))
-    if match:
-        return f"{match.group(1)} per worker"
-    return f"global {run['config']['global_batch']}"
+def batch_of(path, run, contender):
+    """The batch series `contender`'s row of a kept run belongs to: batches.label() of the
+    run. A run kept before runs recorded their per-worker batch says it by its file name
+    ("-b128"), made with --global-batch W x 128: 128 per worker for a synchronous
+    contender, while an asynchronous one's steps (and single's) took all W x 128, a series
+    of its own ("128 x W per step")."""
+    config = run["config"]
+    match = re.search(r"-b(\d+)(?:-before)?\.json$", os.path.basename(path or ""))
+    if not match or "per_worker_batch" in config:
+        return batches.label(config)
+    if batches.runs_on_one_worker(contender):
+        return f"{match.group(1)} x W per step"
+    return f"{match.group(1)} per worker"
 
 
 def _round_up(value, multiple):
@@ -79,9 +90,7 @@ def run_all(options):
                 path = run_file(model, options.network, workers, n, options.per_worker_batch)
                 argv = ["--model", model, "--contenders", options.contenders,
                         "--workers", str(workers), "--ps", str(options.ps),
-                        *(["--global-batch", str(options.per_worker_batch * workers)]
-                          if options.per_worker_batch else []),
-                        "--steps", str(_round_up(options.steps, n)),
+                        *batches.forward(options), "--steps", str(_round_up(options.steps, n)),
                         "--warmup", str(_round_up(options.warmup, n)),
                         "--steps-per-execution", str(n), "--json", os.path.relpath(path)]
                 if options.loopback:
@@ -105,9 +114,9 @@ def run_benchmark(tag, argv):
 # Summary ---------------------------------------------------------------------------
 
 
-def rows_of(run, label="", batch=None):
+def rows_of(run, label="", path=None):
     """One row per successful contender of a benchmarks.run result (`label` after its
-    name: runs of earlier code kept for comparison; `batch`: batch_of() its file)."""
+    name: runs of earlier code kept for comparison; `path`: its file, for batch_of())."""
     cfg = run["config"]
     workers = cfg["workers"]
     for c in run["contenders"]:
@@ -126,7 +135,7 @@ def rows_of(run, label="", batch=None):
             "examples_per_s_per_worker": c["examples_per_s"] / workers,
             "units_per_s": c.get("units_per_s", c["examples_per_s"]),
             "unit": cfg.get("unit", "examples"),
-            "batch": batch or f"global {cfg['global_batch']}",
+            "batch": batch_of(path, run, c["contender"]),
             "machines": bool(run.get("machines")),
             "coordinator": coordinator,
             "coordinator_cpu_ms": cpu.get(coordinator),
@@ -366,7 +375,7 @@ def summarize(results_dir=RESULTS_DIR, plots=True):
         label = ""
         if path.endswith(BEFORE_SUFFIX):
             label = f" (before, {run['code']['commit'][:7]})"
-        rows += list(rows_of(run, label, batch_of(path, run)))
+        rows += list(rows_of(run, label, path))
     return machine.write_summary(
         results_dir, "scaling", rows,
         lambda rows: markdown(rows, plot(rows, results_dir) if plots else {}))
@@ -386,9 +395,7 @@ def parse(argv):
     parser.add_argument("--steps-per-execution", default="1",
                         help="comma-separated steps per call (Keras steps_per_execution)")
     parser.add_argument("--ps", type=int, default=1)
-    parser.add_argument("--per-worker-batch", type=int, default=None, metavar="B",
-                        help="every worker's batch, the global batch W x B (as Parallax "
-                        "scales); default: the model's global batch, split over W")
+    batches.add_options(parser, global_batch=False)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--loopback", action="store_true")
@@ -409,8 +416,7 @@ def parse(argv):
         parser.error("--workers: at least one count, each at least 1")
     if not options.steps_per_execution or min(options.steps_per_execution) < 1:
         parser.error("--steps-per-execution: each at least 1")
-    if options.per_worker_batch is not None and options.per_worker_batch < 1:
-        parser.error("--per-worker-batch must be at least 1")
+    batches.check_options(parser, options)
     # A label for the run files; each run records the network it really had.
     options.network = ("loopback" if options.loopback else
                        f"netns-{options.link_gbit:g}gbit" if options.link_gbit

@@ -257,7 +257,7 @@ class TimeToAccuracyRun(run_lib.ContenderRun):
     def trainer_spec(self, task):
         options = self.options
         return {"contender": self.contender, "model": options.model_name,
-                "global_batch": options.global_batch, "num_ps": options.ps,
+                "global_batch": self.batch, "num_ps": options.ps,
                 "target": vars(options.target), "eval_every": options.eval_every,
                 "max_evaluations": options.max_evaluations,
                 "train_batches": options.train_batches,
@@ -352,7 +352,10 @@ def configure(options, model):
     default = TARGETS[model]
     options.model_name = model
     options.global_batch = contenders_lib.MODELS[model].global_batch
-    options.devices_per_worker = 1  # run.py's cluster: one replica per worker
+    # Every contender's step is one global batch (benchmarks/batches.py), one replica per
+    # worker: a step of every contender trains the same examples.
+    options.per_worker_batch = None
+    options.devices_per_worker = 1
     options.target = Target(default.metric, default.value if options.target_arg is None
                             else options.target_arg, default.higher_is_better, default.label)
     options.eval_every = options.eval_every_arg or eval_every

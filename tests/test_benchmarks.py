@@ -672,6 +672,245 @@ def test_the_criteo_benchmark_model_has_criteo_examples_tables():
     assert contenders.MODELS["criteo"].build["num_dense"] == criteo.NUM_DENSE
 
 
+# Batches per contender and the ps tasks' share ------------------------------------------
+
+
+def _parsed(*argv, model="recommender"):
+    """benchmarks.run's options for `model`'s run, as run_model sets them."""
+    from benchmarks import run as run_lib
+
+    options = run_lib.parse(["--model", model, "--quick", *argv])
+    run_lib.configure(options, model)
+    return options
+
+
+def _batches_of(options, contenders, tmp_path):
+    """{contender: (its ContenderRun's batch per step, the batch its trainers are told)}."""
+    from benchmarks import run as run_lib
+
+    found = {}
+    for contender in contenders:
+        kind = run_lib.HorovodRun if contender == "horovod" else run_lib.ContenderRun
+        run = kind(contender, options, "loopback", str(tmp_path), run_label=contender)
+        told = {run.trainer_spec(t)["global_batch"] for t in run.trainers}
+        assert len(told) == 1, (contender, told)
+        found[contender] = (run.batch, told.pop())
+    return found
+
+
+SYNCHRONOUS = ("hybrid", "hybrid-bf16", "allreduce", "ps", "mwms", "horovod")
+
+
+def test_every_contender_takes_the_per_worker_batch_on_each_worker(tmp_path):
+    everyone = ",".join(SYNCHRONOUS + ("pss", "ps-async", "single"))
+    options = _parsed("--contenders", everyone, "--workers", "4", "--per-worker-batch", "64")
+    # Synchronous: 4 workers x 64; an asynchronous step is one worker's, single's its own.
+    assert options.global_batch == 256
+    expected = {**{c: 256 for c in SYNCHRONOUS}, "pss": 64, "ps-async": 64, "single": 64,
+                "ps:asynchronous=True": 64}
+    assert _batches_of(options, expected, tmp_path) == {
+        c: (batch, batch) for c, batch in expected.items()}
+    # Without it, every contender's step is the global batch, however it is split.
+    options = _parsed("--contenders", everyone, "--workers", "4", "--global-batch", "512")
+    assert _batches_of(options, expected, tmp_path / "global") == {
+        c: (512, 512) for c in expected}
+    # With several replicas per worker, still 64 per worker (32 per replica).
+    options = _parsed("--contenders", "hybrid,ps-async", "--workers", "2",
+                      "--devices-per-worker", "2", "--per-worker-batch", "64")
+    assert _batches_of(options, ["hybrid", "ps-async"], tmp_path / "devices") == {
+        "hybrid": (128, 128), "ps-async": (64, 64)}
+
+
+def test_a_result_of_another_batch_than_the_contenders_is_refused():
+    from benchmarks import run as run_lib
+
+    options = _parsed("--contenders", "pss", "--workers", "4", "--per-worker-batch", "64")
+    result = {"contender": "pss", "model": "recommender", "steps": options.steps,
+              "global_batch": 256, "measured_seconds": 1.0}
+    with pytest.raises(RuntimeError, match="10 steps of batch 256"):
+        run_lib._check_result(result, options, "pss", 64)
+    run_lib._check_result(dict(result, global_batch=64), options, "pss", 64)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global-batch", "512", "--per-worker-batch", "64"],
+     "argument --per-worker-batch: not allowed with argument --global-batch"),
+    (["--per-worker-batch", "0"], "--per-worker-batch must be at least 1"),
+    (["--per-worker-batch", "63", "--devices-per-worker", "2", "--contenders", "hybrid"],
+     "--per-worker-batch 63 must be a multiple of --devices-per-worker 2"),
+    (["--ps-cpus", "1"], "--ps-cpus needs --machine-cpus"),
+    (["--machine-cpus", "0.5", "--ps-cpus", "1", "--colocate"],
+     "--ps-cpus and --colocate exclude each other: with --colocate every ps shares a "
+     "machine with a worker, which keeps --machine-cpus"),
+    (["--machine-cpus", "0.5", "--ps-cpus", "-1"], "--ps-cpus must be positive"),
+    (["--machine-cpus", "0.5", "--ps-cpus", "0.05"],
+     "--ps-cpus 0.05 of a 10 ms period is a quota under the kernel's minimum"),
+])
+def test_run_refuses_batches_and_shares_no_run_can_have(argv, message, capsys):
+    from benchmarks import run as run_lib
+
+    with pytest.raises(SystemExit) as stopped:
+        run_lib.parse(["--model", "recommender", *argv])
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_scaling_passes_its_per_worker_batch_and_shares_to_every_run(monkeypatch):
+    from benchmarks import scaling
+
+    ran = []
+    monkeypatch.setattr(scaling, "run_benchmark", lambda tag, argv: ran.append(argv))
+    options = scaling.parse(["--model", "lm", "--workers", "1,4", "--per-worker-batch",
+                             "128", "--machine-cpus", "0.4", "--ps-cpus", "0.8"])
+    paths = scaling.run_all(options)
+    assert [os.path.basename(p) for p in paths] == [
+        "lm-netns-nolimit-cpu0.4-ps0.8-w1-spe1-b128.json",
+        "lm-netns-nolimit-cpu0.4-ps0.8-w4-spe1-b128.json"]
+    for argv in ran:  # benchmarks.run sizes each contender's step from it
+        assert argv[argv.index("--per-worker-batch") + 1] == "128"
+        assert "--global-batch" not in argv
+        assert argv[argv.index("--ps-cpus") + 1] == "0.8"
+    with pytest.raises(SystemExit):
+        scaling.parse(["--global-batch", "512"])  # scaling sizes by worker only
+
+
+def _batch_run(workers, per_worker=None, global_batch=512, hybrid=100.0, pss=80.0,
+               cpus=0.2):
+    """A benchmarks.run result of hybrid, pss and single on machines of `cpus` cores."""
+    config = {"workers": workers, "ps": 1, "repeats": 3, "warmup": 5, "steps": 100,
+              "global_batch": per_worker * workers if per_worker else global_batch}
+    if per_worker:
+        config["per_worker_batch"] = per_worker
+    run = {"model": "recommender", "date": "2026-01-01", "quick": False,
+           "network": {"mode": "netns", "link_gbit": 1, "description": "namespaces"},
+           "machines": {"cpus": cpus, "quota_period_ms": 10.0, "colocate": False},
+           "config": config, "contenders": []}
+    from benchmarks import batches
+    for name, value in (("hybrid", hybrid), ("pss", pss), ("single", 50.0)):
+        step = batches.step_batch(name, workers, config["global_batch"], per_worker)
+        run["contenders"].append({"contender": name, "status": "ok", "units_per_s": value,
+                                  "median_step_s": 0.01, "global_batch": step,
+                                  "per_task": {"chief": {"job": "chief",
+                                                         "cpu_ms_per_step": step / 64}}})
+    return run
+
+
+def test_report_says_each_contenders_batch_and_keeps_per_worker_runs_apart():
+    per_worker = _batch_run(4, per_worker=128, hybrid=300.0)
+    default = _batch_run(4, global_batch=512)  # the same global batch; pss's step 512
+    # The table gives every contender's step, the title how the batches were sized.
+    table = report.markdown(dict(per_worker, lower_bound={}, machines=None))
+    assert "4 workers + 1 ps, 128 examples per worker per step (a synchronous global " \
+        "batch of 512; an asynchronous or single step of 128)" in table
+    assert "| contender | Keras | batch per step |" in table
+    for cell in ("| hybrid | None | 512 (4 x 128) |", "| pss | None | 128 (one worker) |",
+                 "| single | None | 128 |"):
+        assert cell in table, cell
+    assert "| pss | None | 512 (one worker) |" in report.markdown(
+        dict(default, lower_bound={}, machines=None))
+    # Never one plot series, and the targets take the run of one global batch only.
+    assert report._group_key(per_worker) != report._group_key(default)
+    rows = {name: value for name, value, _ in report.targets([per_worker, default])}
+    assert rows["recommender, 4 workers + 1 ps, 1 Gbit/s, machines of 0.2 core (10 ms "
+                "period): hybrid >= 1.5x pss examples/s"] == "1.25x"
+    # CPU per example, not per step: single's steps here are a quarter of hybrid's.
+    assert report._cpu_ratio(per_worker, "hybrid", "single") == pytest.approx(1.0)
+
+
+def test_efficiency_between_takes_runs_of_the_contenders_own_batch_per_worker():
+    runs = [_batch_run(1, per_worker=128, hybrid=100.0, pss=90.0),
+            _batch_run(8, per_worker=128, hybrid=640.0, pss=720.0),
+            # A global batch of 8 x 128: the hybrid's 128 per worker, pss's steps 1,024.
+            _batch_run(8, global_batch=1024, hybrid=700.0, pss=100.0)]
+    assert report.efficiency_between(runs[:2], "recommender", 128, (1, 1), (8, 1), 0.2) \
+        == pytest.approx(0.8)
+    assert report.efficiency_between(runs[:2], "recommender", 128, (1, 1), (8, 1), 0.2,
+                                     contender="pss") == pytest.approx(1.0)
+    # pss's 1,024 per step is another per-worker batch: not its series at 128.
+    assert report.efficiency_between([runs[0], runs[2]], "recommender", 128, (1, 1),
+                                      (8, 1), 0.2, contender="pss") is None
+    assert report.efficiency_between([runs[0], runs[2]], "recommender", 128, (1, 1),
+                                      (8, 1), 0.2) == pytest.approx(700 / 800)
+    # Machines whose ps tasks had another share are another emulation.
+    shared = [dict(r, machines=dict(r["machines"], ps_cpus=0.6)) for r in runs[:2]]
+    assert report.efficiency_between(shared, "recommender", 128, (1, 1), (8, 1), 0.2) is None
+    assert report.efficiency_between(shared, "recommender", 128, (1, 1), (8, 1), 0.2,
+                                     ps_cpus=0.6) == pytest.approx(0.8)
+
+
+def test_scaling_series_of_runs_kept_before_the_per_worker_batch_was_recorded():
+    from benchmarks import scaling
+
+    old = _batch_run(4, global_batch=512)  # made with --global-batch 4 x 128
+    new = _batch_run(4, per_worker=128)
+    path = scaling.run_file("recommender", "loopback", 4, 1, 128)
+    assert scaling.batch_of(path, old, "hybrid") == "128 per worker"
+    assert scaling.batch_of(path, old, "pss") == "128 x W per step"  # its steps took 512
+    assert scaling.batch_of(path, new, "pss") == scaling.batch_of(path, new, "hybrid") \
+        == "128 per worker"
+    assert scaling.batch_of("recommender.json", old, "pss") == "global 512"
+
+
+def test_ps_machines_get_their_own_share_and_threads(tmp_path):
+    from benchmarks import cpu_groups
+
+    tasks = ["chief", "worker0", "worker1", "ps0", "ps1"]
+    assert cpu_groups.shares(cpu_groups.layout(tasks, False), 0.4, 0.6) == {
+        "chief": 0.4, "worker0": 0.4, "worker1": 0.4, "ps0": 0.6, "ps1": 0.6}
+    assert cpu_groups.shares(cpu_groups.layout(tasks, False), 0.4) == dict.fromkeys(tasks, 0.4)
+    # A machine of a worker and a ps is a worker's.
+    assert cpu_groups.shares(cpu_groups.layout(tasks, True), 0.4, 0.6) == {
+        "chief": 0.4, "worker0+ps0": 0.4, "worker1+ps1": 0.4}
+    assert cpu_groups.label(0.4, False, ps_cpus=1.5) == "-cpu0.4-ps1.5"
+    options = _parsed("--machine-cpus", "0.4", "--ps-cpus", "1.5")
+    machines = cpu_groups.describe(options, cpu_groups.CpuGroups(0.4, root=str(tmp_path)))
+    assert (machines["ps_cpus"], machines["ps_quota_us"]) == (1.5, 15000)
+    assert machines["ps_thread_environment"] == {"TF_NUM_INTRAOP_THREADS": "2",
+                                                 "TF_NUM_INTEROP_THREADS": "2"}
+    assert cpu_groups.machines_label(machines) == "-cpu0.4-ps1.5"
+    assert cpu_groups.summary(machines).endswith(
+        "TF threads: 1 intra-op, 2 inter-op), the ps tasks' machines of 1.5 core each "
+        "(quota 15 ms; TF threads: 2 intra-op, 2 inter-op)")
+    assert report._machines_phrase(machines) == "0.4 core, ps 1.5 core (10 ms period)"
+
+
+def test_each_task_runs_in_a_group_of_its_machines_share(tmp_path, cpu_groups_here):
+    from benchmarks import cpu_groups
+    from benchmarks import run as run_lib
+
+    parent = _cgroup_parent(cpu_groups_here)
+    try:
+        for contender, tasks in (("hybrid", ["chief", "worker0", "worker1", "ps0"]),
+                                 ("single", ["chief"])):
+            options = _parsed("--contenders", contender, "--workers", "2", "--ps", "1",
+                              "--machine-cpus", "0.5", "--ps-cpus", "1.5",
+                              "--cgroup-root", parent)
+            run = run_lib.ContenderRun(contender, options, "loopback", str(tmp_path),
+                                       run_label=contender)
+            try:
+                record = run.make_machines()
+                for task in run.tasks:
+                    run._spawn(task, ["sleep", "60"], run_lib._environ())
+                # As the kernel holds them: 15 ms of a 10 ms period for the ps, 5 for others.
+                assert record["cpu_groups"] == {
+                    task: [15000 if task.startswith("ps") else 5000, 10000] for task in tasks}
+                for task in run.tasks:
+                    assert run.groups.pids(task.name) == [task.process.pid]
+                    with open(f"/proc/{task.process.pid}/environ", "rb") as f:
+                        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0")
+                                   if b"=" in item)
+                    # Pools for the machine's share: 2 intra-op threads for 1.5 core.
+                    assert (env[b"TF_NUM_INTRAOP_THREADS"], env[b"TF_NUM_INTEROP_THREADS"]) \
+                        == ((b"2", b"2") if task.job == "ps" else (b"1", b"2")), task.name
+            finally:
+                run._stop()
+                if run.groups is not None:
+                    run.groups.close()
+        assert [n for n in os.listdir(parent) if n.startswith(cpu_groups.PREFIX)] == []
+    finally:
+        os.rmdir(parent)
+
+
 # Horovod (benchmarks/horovod_contender.py): no build, no process -----------------------
 
 
@@ -795,7 +1034,6 @@ def test_without_horovods_venv_the_other_contenders_still_run(tmp_path, monkeypa
         contender) or {"contender": contender, "status": "failed", "error": "not started"})
     argv = ["--model", "lm,recommender", "--contenders", "horovod,single", "--quick"]
     options = run_lib.parse(argv)
-    options.global_batch_arg = None
     runs = {model: run_lib.run_model(options, model, "loopback", "test", argv)
             for model in ("lm", "recommender")}
     assert builds == [1]  # once per invocation
@@ -804,7 +1042,7 @@ def test_without_horovods_venv_the_other_contenders_still_run(tmp_path, monkeypa
         assert run["not_run"] == [{"contender": "horovod", "error": failed["error"],
                                    "reason": horovod_contender.not_run_reason(failed)}]
         assert run["horovod_venv"]["error"] == failed["error"]
-        assert "| horovod | | not run: building Horovod's virtualenv failed: " \
+        assert "| horovod | | | not run: building Horovod's virtualenv failed: " \
             "`pip install horovod` exited 1: error: no compiler |" in report.markdown(run)
 
 
