@@ -53,6 +53,7 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import input_ops
 from tensorflow.python.distribute import ps_values
 
+from hybrid_strategy import tracing
 from hybrid_strategy.input import worker_input
 
 # Steps a worker may have in flight: one running and one queued, so that it starts its
@@ -90,11 +91,9 @@ class WorkerScope:
     def current(self):
         """The worker index being worked for, or None for every worker."""
         worker = getattr(self._local, "worker", None)
-        graph = tf.compat.v1.get_default_graph()
-        if not getattr(graph, "building_function", False):
+        if not getattr(tf.compat.v1.get_default_graph(), "building_function", False):
             return worker
-        while getattr(getattr(graph, "outer_graph", None), "building_function", False):
-            graph = graph.outer_graph
+        graph = tracing.outermost()
         with self._lock:
             if graph not in self._graphs:
                 if worker is None:
