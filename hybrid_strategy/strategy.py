@@ -17,6 +17,7 @@ print(strategy.placement)
 ```
 """
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -308,7 +309,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._step_batch_sizes[graph] = batches.replica_batch_sizes(
             args, kwargs, self._num_replicas_in_sync)
         try:
-            return super()._call_for_each_replica(fn, args, kwargs)
+            with self._asynchronous(lambda scope: scope.one_trace_at_a_time()):
+                return super()._call_for_each_replica(fn, args, kwargs)
         finally:
             if outer is _ABSENT:
                 del self._step_batch_sizes[graph]
@@ -379,8 +381,13 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     # Variable creation -------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        return self.placer.create(next_creator, kwargs,
-                                  functools.partial(super()._create_variable, next_creator))
+        with self._asynchronous(lambda scope: scope.of_every_worker()):
+            return self.placer.create(
+                next_creator, kwargs, functools.partial(super()._create_variable, next_creator))
+
+    def _asynchronous(self, block):
+        """`block(worker_scope)` when training asynchronously, else an empty block."""
+        return block(self.worker_scope) if self.worker_scope else contextlib.nullcontext()
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):

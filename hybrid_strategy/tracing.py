@@ -24,6 +24,12 @@ the package keeps while it traces a step must be out of reach of the other trace
   it traces an update, is turned off while any thread runs a rule on a table's rows
   and on again once none does (tables/sparse_optimizers.py).
 
+What Keras keeps while a step is traced is not the package's to place: the losses
+layers add, kept in the layers, and tf_keras' compiled loss and metrics, built in the
+first step. For those, asynchronous training traces one `strategy.run` at a time
+(`WorkerScope.one_trace_at_a_time`), and the variables a worker's step creates span
+every worker (`WorkerScope.of_every_worker`).
+
 Outside a function being built, `graphs()` is the thread's default graph: eager
 callers on different threads get different ones too.
 
