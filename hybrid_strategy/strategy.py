@@ -17,8 +17,10 @@ print(strategy.placement)
 ```
 """
 
+import contextlib
 import functools
 import itertools
+import weakref
 
 import tensorflow as tf
 
@@ -36,6 +38,7 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import control_flow_util_v2
 
 from hybrid_strategy import options as options_lib
+from hybrid_strategy import tracing
 from hybrid_strategy.asynchronous import training as asynchronous_lib
 from hybrid_strategy.cluster import config as cluster_lib
 from hybrid_strategy.cluster import connection
@@ -248,7 +251,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._use_var_policy = False
         self.placer = variables.Placer(self, self.policy)
         self.ps_aggregated = set()
-        self.step_batch_sizes = None
+        # graph calling `strategy.run` -> its replicas' batch sizes, while they are traced
+        self._step_batch_sizes = weakref.WeakKeyDictionary()
         install.install_all(HybridStrategy, connected=config is not None)
 
     @property
@@ -315,12 +319,29 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 "strategy.run once per traced function.")
         # Keras' losses weight each replica by its share of the global batch, read
         # while the replicas' steps are traced (keras_integration/batches.py).
-        self.step_batch_sizes = batches.replica_batch_sizes(
+        graph = tf.compat.v1.get_default_graph()
+        outer = self._step_batch_sizes.get(graph, _ABSENT)  # a run within a run keeps it
+        self._step_batch_sizes[graph] = batches.replica_batch_sizes(
             args, kwargs, self._num_replicas_in_sync)
         try:
-            return super()._call_for_each_replica(fn, args, kwargs)
+            with self._asynchronous(lambda scope: scope.one_trace_at_a_time()):
+                return super()._call_for_each_replica(fn, args, kwargs)
         finally:
-            self.step_batch_sizes = None
+            if outer is _ABSENT:
+                del self._step_batch_sizes[graph]
+            else:
+                self._step_batch_sizes[graph] = outer
+
+    @property
+    def step_batch_sizes(self):
+        """The per-replica batch sizes of the `strategy.run` whose replicas this thread
+        traces, or None. Per graph (tracing.py): the replicas' threads trace in the
+        graph of their `strategy.run`, and asynchronous workers trace steps of their own
+        at the same time."""
+        for graph in tracing.graphs():
+            if graph in self._step_batch_sizes:
+                return self._step_batch_sizes[graph]
+        return None
 
     @property
     def input_hosts(self):
@@ -375,8 +396,13 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     # Variable creation -------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        return self.placer.create(next_creator, kwargs,
-                                  functools.partial(super()._create_variable, next_creator))
+        with self._asynchronous(lambda scope: scope.of_every_worker()):
+            return self.placer.create(
+                next_creator, kwargs, functools.partial(super()._create_variable, next_creator))
+
+    def _asynchronous(self, block):
+        """`block(worker_scope)` when training asynchronously, else an empty block."""
+        return block(self.worker_scope) if self.worker_scope else contextlib.nullcontext()
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):
@@ -416,6 +442,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
         mirrored_reads.forget(var)
         return super()._update(var, fn, args, kwargs, group)
+
+
+_ABSENT = object()
 
 
 def _inside_while_loop():

@@ -21,8 +21,17 @@ Cases:
   before it;
 - language_model: an LSTM language model (a table, an LSTM whose gradients leave a
   while loop, a softmax over the vocabulary, Adam) trains and counts every step.
+
+With `--concurrent REPEATS` it runs the concurrent case alone instead: every worker
+traces its step at the same time, REPEATS times over, each time with a new model and
+optimizer (Adagrad, Adam, SGD in turn, one or three steps per call), on the linear
+model with a frozen layer that adds a loss: every fit runs to its end, counts every
+step and every example (a metric of the labels), SGD ends where one device ends and
+Adagrad's accumulators hold what one device's hold (sums of squared gradients, which
+no order changes).
 """
 
+import argparse
 import json
 import os
 import sys
@@ -44,14 +53,25 @@ CTR_TABLES, CTR_FEATURES, CTR_BATCH, CTR_STEPS, CTR_EPOCHS = (2000, 300), 4, 64,
 SAVE_AT_BATCH = 5  # the mid-epoch checkpoint is written after this batch of epoch 1
 
 
-def linear_model():
-    """sum(table[ids]) + Dense(features): each weight's gradient is fixed by the data."""
+def linear_model(penalized=False):
+    """sum(table[ids]) + Dense(features): each weight's gradient is fixed by the data.
+
+    `penalized`: plus a frozen Dense(features) whose activity regularizer adds a loss
+    (which Keras keeps in the layer while a step is traced) that no trained weight
+    changes.
+    """
     ids = keras.Input((scenario.SEQ,), dtype="int32", name="ids")
     features = keras.Input((LINEAR_FEATURES,), name="features")
     rows = keras.layers.Embedding(LINEAR_ROWS, 1, name="table")(ids)
     summed = keras.layers.Flatten()(rows)
-    out = keras.layers.Add()([keras.layers.Dense(1, name="sum")(summed),
-                              keras.layers.Dense(1, name="dense")(features)])
+    terms = [keras.layers.Dense(1, name="sum")(summed),
+             keras.layers.Dense(1, name="dense")(features)]
+    if penalized:
+        frozen = keras.layers.Dense(1, name="penalized",
+                                    activity_regularizer=keras.regularizers.L2(0.01))
+        frozen.trainable = False
+        terms.append(frozen(features))
+    out = keras.layers.Add()(terms)
     model = keras.Model({"ids": ids, "features": features}, out)
     # A fixed "sum" layer: its kernel is frozen at ones, so the output is linear in the table.
     model.get_layer("sum").trainable = False
@@ -106,6 +126,93 @@ def linear_case(make_strategy, steps_per_execution=1):
                                               batch_size=LINEAR_BATCH, verbose=0))],
         "devices": scenario.variable_devices(model),
     }
+
+
+# (optimizer, steps per call) of each concurrent fit, in turn.
+CONCURRENT_FITS = (("adagrad", 1), ("adam", 3), ("sgd", 3), ("adagrad", 3), ("sgd", 1))
+CONCURRENT_BATCH, CONCURRENT_STEPS = 16, 16
+CONCURRENT_OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.125),
+                         "adagrad": lambda: keras.optimizers.Adagrad(0.125),
+                         "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+def label_mean(y_true, y_pred):
+    """A metric the weights do not change: the mean label of the epoch's examples."""
+    return tf.reduce_mean(y_true)
+
+
+def linear_gradient_sums(x, batch):
+    """`{path: (sum of its steps' gradients, sum of their squares)}` of the trained
+    weights of the linear model, trained on `x` in steps of `batch` examples: the loss
+    is the batch's mean output, so a table row's gradient is its count in the batch's
+    ids over `batch`, the dense kernel's the features' mean, the bias's 1."""
+    sums = {path: [0.0, 0.0] for path in ("table/embeddings", "dense/kernel", "dense/bias")}
+    for start in range(0, len(x["ids"]), batch):
+        ids, features = x["ids"][start:start + batch], x["features"][start:start + batch]
+        gradients = {"table/embeddings": np.bincount(ids.ravel(), minlength=LINEAR_ROWS)[
+                         :, None] / batch,
+                     "dense/kernel": features.mean(axis=0)[:, None],
+                     "dense/bias": np.ones(1)}
+        for path, gradient in gradients.items():
+            sums[path][0] = sums[path][0] + gradient
+            sums[path][1] = sums[path][1] + gradient ** 2
+    return sums
+
+
+def concurrent_case(make_strategy, repeats):
+    """Fits of new models and optimizers, each traced by every worker at once.
+
+    Each result: the fit's error (None), its iterations, its label metric against the
+    labels' mean, and, for SGD, the trained weights' and for Adagrad, the accumulators'
+    largest relative error against their values from the gradients' sums
+    (`linear_gradient_sums`), which no order of the steps changes.
+    """
+    x, _ = linear_data()
+    n = CONCURRENT_BATCH * CONCURRENT_STEPS
+    x = {key: np.resize(value, (n,) + value.shape[1:]) for key, value in x.items()}
+    y = np.random.default_rng(7).random((n, 1)).astype("float32")
+    sums = linear_gradient_sums(x, CONCURRENT_BATCH)
+    keras.utils.set_random_seed(2)
+    start = linear_model(penalized=True)
+    start.get_layer("sum").set_weights([np.ones((scenario.SEQ, 1), "float32"),
+                                        np.zeros(1, "float32")])
+    weights = start.get_weights()
+    initial = dict(zip(map(scenario.weight_path, start.weights), weights))
+    out = []
+    for fit in range(repeats):
+        optimizer, steps_per_execution = CONCURRENT_FITS[fit % len(CONCURRENT_FITS)]
+        result = {"optimizer": optimizer, "steps_per_execution": steps_per_execution,
+                  "error": None}
+        out.append(result)
+        strategy = make_strategy()
+        with strategy.scope():
+            model = linear_model(penalized=True)
+            model.set_weights(weights)
+            model.compile(optimizer=CONCURRENT_OPTIMIZERS[optimizer](), loss=mean_output,
+                          metrics=[label_mean], steps_per_execution=steps_per_execution)
+        try:
+            history = model.fit(x, y, batch_size=CONCURRENT_BATCH, shuffle=False, verbose=0)
+        except Exception as e:  # pylint: disable=broad-except  (reported: the test fails)
+            result["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            continue
+        trained = dict(zip(map(scenario.weight_path, model.weights), model.get_weights()))
+        result.update(iterations=int(model.optimizer.iterations.numpy()),
+                      label_mean=[float(history.history["label_mean"][-1]), float(np.mean(y))],
+                      finite=all(bool(np.isfinite(w).all()) for w in trained.values()))
+        if optimizer == "sgd":
+            paths = sorted(sums)
+            result["weights_error"] = max(scenario.relative_errors(
+                [trained[p] for p in paths],
+                [initial[p] - 0.125 * sums[p][0] for p in paths]))
+        if optimizer == "adagrad":
+            # Built in the order of the trained weights.
+            accumulators = [np.asarray(v) for v in model.optimizer.variables
+                            if "accumulator" in scenario.weight_path(v)]
+            result["accumulators_error"] = max(scenario.relative_errors(
+                accumulators, [0.1 + sums[scenario.weight_path(w)][1]
+                               for w in model.trainable_weights]))
+            result["accumulators"] = len(accumulators)
+    return out
 
 
 def ctr_data(n, seed):
@@ -259,10 +366,17 @@ def report(make_strategy, workers):
 
 
 def main(argv):
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--concurrent", type=int, default=0)
+    args, argv = parser.parse_known_args(argv)
     make_strategy = scenario.strategy_maker(argv, architecture="ps", asynchronous=True)
     workers = len(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {}).get(
         "worker", [])) or 1
-    json.dump(report(make_strategy, workers), sys.stdout)
+    if args.concurrent:
+        out = {"workers": workers, "fits": concurrent_case(make_strategy, args.concurrent)}
+    else:
+        out = report(make_strategy, workers)
+    json.dump(out, sys.stdout)
     sys.stdout.write("\n")
 
 

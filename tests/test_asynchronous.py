@@ -5,7 +5,8 @@ tests/async_scenario.py runs once per shape (two at a time): as the chief of a r
 whose steps run one after the other, so that it must equal single-device training),
 under Keras 3 and, on one machine, tf_keras. Its cases for 2 workers also run, under
 Keras 3, on tests/test_replicas.py's cluster of 2 workers with 2 replicas each, as part
-of that run.
+of that run. Its concurrent case runs alone on 8 workers under Keras 3 and on 4 under
+tf_keras: every worker traces its step at once, in fit after fit.
 """
 
 import functools
@@ -28,6 +29,9 @@ SCENARIO = os.path.join(HERE, "async_scenario.py")
 TOLERANCE = 1e-5
 STEPS, EPOCHS = 24, 6  # async_scenario.CTR_STEPS, CTR_EPOCHS
 LM_STEPS, LM_EPOCHS = 8, 3  # async_scenario.LM_STEPS, LM_EPOCHS
+CONCURRENT_STEPS, CONCURRENT_REPEATS = 16, 3  # async_scenario.CONCURRENT_STEPS; fits per run
+# (workers, Keras flavour) of the concurrent runs.
+CONCURRENT = {"keras3_8_workers": (8, "keras3"), "tf_keras_4_workers": (4, "tf_keras")}
 
 
 def killed_worker_run():
@@ -53,6 +57,11 @@ RUNS = Runs({
                                  "async scenario on 2 workers"),
     "keras3_replicas": test_replicas.RUNS.job("keras3"),
     "killed_worker": killed_worker_run,
+    **{key: functools.partial(
+        json_report, on_cluster(SCENARIO, "--concurrent", str(CONCURRENT_REPEATS),
+                                workers=workers, ps=1),
+        f"async concurrent case on {workers} workers under {flavour}", flavour=flavour)
+       for key, (workers, flavour) in CONCURRENT.items()},
 })
 CLUSTERS = ["cluster", "keras3_replicas"]
 
@@ -98,6 +107,14 @@ def report(request):
     return request.getfixturevalue(request.param)
 
 
+@pytest.fixture(scope="module", params=sorted(CONCURRENT))
+def concurrent(request):
+    """Fits whose steps every worker traces at once (async_scenario.concurrent_case)."""
+    report = RUNS.result(request.param, request)
+    assert report["workers"] == CONCURRENT[request.param][0]
+    return report["fits"]
+
+
 def worst(errors):
     name = max(errors, key=errors.get)
     return name, errors[name]
@@ -131,6 +148,36 @@ def test_every_step_applied_once_whatever_the_order(report, case):
     assert result["iterations"] == 24
     trained, reference = result["evaluate"]
     assert trained == pytest.approx(reference, rel=TOLERANCE)
+
+
+def test_workers_tracing_their_steps_at_once_train_to_the_end_every_time(concurrent):
+    # Adagrad, Adam and SGD, one and three steps per call, a layer adding a loss and a
+    # metric: Keras and the strategy keep state while a step is traced, which no
+    # worker's trace may see of another's.
+    assert len(concurrent) == CONCURRENT_REPEATS
+    failed = [f"{fit['optimizer']}, {fit['steps_per_execution']} per call: {fit['error']}"
+              for fit in concurrent if fit["error"]]
+    assert not failed, "\n".join(failed)
+    for fit in concurrent:
+        assert fit["iterations"] == CONCURRENT_STEPS, fit
+        assert fit["finite"], fit
+        # Every step's metric update counted, whichever worker ran it.
+        trained, expected = fit["label_mean"]
+        assert trained == pytest.approx(expected, rel=TOLERANCE), fit
+
+
+def test_workers_tracing_at_once_apply_every_step_once(concurrent):
+    # SGD's weights and Adagrad's accumulators (sums of squared gradients) depend on
+    # the gradients' sums alone, which no order of the steps changes.
+    checked = 0
+    for fit in concurrent:
+        for key in ("weights_error", "accumulators_error"):
+            if key in fit:
+                checked += 1
+                assert fit[key] <= TOLERANCE, fit
+        if fit["optimizer"] == "adagrad":
+            assert fit["accumulators"] == 3, fit  # table, kernel, bias
+    assert checked == 2
 
 
 def test_variables_live_on_the_ps(on_cluster_report):

@@ -16,6 +16,7 @@ Error: max |actual - expected| over max(max |expected|, 0.01), per tensor; 1e-5.
 
 import inspect
 import re
+import types
 
 import keras
 import numpy as np
@@ -214,6 +215,19 @@ def test_lazy_steps_move_only_the_steps_rows(strategy):
         assert ops == {"ResourceGather", "ResourceScatterUpdate"}
     else:
         assert {"ReadVariableOp", "AssignVariableOp"} <= ops
+
+
+def test_xla_stays_off_until_the_last_rule_on_rows_ends():
+    # tf_keras reads jit_compile from the optimizer while it traces an update: with
+    # several workers' steps traced at once, two rules on rows overlap.
+    optimizer = types.SimpleNamespace(jit_compile=True)
+    first, second = so._without_xla(optimizer), so._without_xla(optimizer)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert optimizer.jit_compile is False
+    second.__exit__(None, None, None)
+    assert optimizer.jit_compile is True
 
 
 def test_couplings_of_the_shipped_optimizers():

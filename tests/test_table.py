@@ -1,10 +1,13 @@
 """PS tables in one process: sharded lookups, no whole-table reads, weights and checkpoints."""
 
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import hybrid_strategy
+from hybrid_strategy.tables import sparse_optimizers
 from hybrid_strategy.tables import table as table_lib
 
 keras = tf.keras
@@ -38,6 +41,34 @@ def test_lookup_stitches_rows_from_every_shard_in_order():
     np.testing.assert_array_equal(tf.nn.embedding_lookup(table, ids).numpy(), whole[ids])
     np.testing.assert_array_equal(tf.convert_to_tensor(table).numpy(), whole)
     assert tf.shape(table).numpy().tolist() == [10, 2]
+
+
+def test_rows_standing_in_for_a_table_are_this_threads_alone():
+    # Asynchronous workers trace their steps at once: the rows one thread's optimizer
+    # rule reads and writes in place of a table are not what another thread reads.
+    whole = np.arange(6.0, dtype="float32").reshape(3, 2)
+    table = table_lib.ShardedTable([tf.Variable(whole[0::2]), tf.Variable(whole[1::2])],
+                                   "t/embeddings")
+    rows = sparse_optimizers.RowsView(table, [0], [tf.constant([1])])  # table row 2
+    meanwhile, elsewhere = threading.Barrier(2, timeout=30), {}
+
+    def read_elsewhere():
+        meanwhile.wait()
+        elsewhere["view"] = table.rows_view
+        elsewhere["value"] = tf.convert_to_tensor(table).numpy()
+        meanwhile.wait()
+
+    thread = threading.Thread(target=read_elsewhere)
+    thread.start()
+    with table_lib.rows_standing_in([rows]):
+        table.assign_add(tf.fill((1, 2), 5.0))
+        meanwhile.wait()
+        meanwhile.wait()
+        assert table.rows_view is rows
+    thread.join()
+    assert elsewhere["view"] is None and table.rows_view is None
+    np.testing.assert_array_equal(elsewhere["value"], whole)
+    np.testing.assert_array_equal(rows.read().numpy(), whole[[2]] + 5.0)
 
 
 def test_rows_are_dealt_over_the_shards_and_joined_back():

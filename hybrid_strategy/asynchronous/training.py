@@ -53,6 +53,7 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import input_ops
 from tensorflow.python.distribute import ps_values
 
+from hybrid_strategy import tracing
 from hybrid_strategy.input import worker_input
 
 # Steps a worker may have in flight: one running and one queued, so that it starts its
@@ -70,31 +71,60 @@ class WorkerScope:
     The strategy replicates over every worker's devices, except while it works for one
     worker: inside `with scope.of_worker(w)` on this thread (building that worker's
     input, calling its step function), and in any function traced there, whichever
-    thread reads it (tf.distribute traces each replica on a thread of its own).
+    thread reads it (tf.distribute traces each replica on a thread of its own), but
+    not inside `with scope.of_every_worker()` on this thread (creating a variable).
     """
 
     def __init__(self):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._graphs = weakref.WeakKeyDictionary()  # outermost FuncGraph -> worker
+        self._tracing = threading.RLock()  # re-entered by a strategy.run within a run
+
+    def of_worker(self, worker):
+        return self._on_this_thread("worker", worker)
+
+    def of_every_worker(self):
+        """Within, on this thread, the strategy works for every worker, in a function
+        traced for one too: a variable a worker's step creates (tf_keras builds its
+        metrics in the first step) is the model's, with a part on every replica."""
+        return self._on_this_thread("every", True)
 
     @contextlib.contextmanager
-    def of_worker(self, worker):
-        previous = getattr(self._local, "worker", None)
-        self._local.worker = worker
+    def _on_this_thread(self, name, value):
+        previous = getattr(self._local, name, None)
+        setattr(self._local, name, value)
         try:
             yield
         finally:
-            self._local.worker = previous
+            setattr(self._local, name, previous)
+
+    @contextlib.contextmanager
+    def one_trace_at_a_time(self):
+        """Within, while a function is traced: no other thread traces such a block.
+
+        The strategy traces each replica step (`strategy.run`) of a worker's step in
+        one: Keras keeps what a step traces in objects every worker's step shares (the
+        losses layers add, kept in the layers; tf_keras' compiled loss and metrics,
+        built in the first step), which only one thread may fill at a time. The
+        package's own state of a trace is per trace or per thread (tracing.py), and
+        tracing is Python, which runs one thread at a time anyway; steps already
+        traced run at once.
+        """
+        if not tf.inside_function():
+            yield
+            return
+        with self._tracing:
+            yield
 
     def current(self):
         """The worker index being worked for, or None for every worker."""
+        if getattr(self._local, "every", False):
+            return None
         worker = getattr(self._local, "worker", None)
-        graph = tf.compat.v1.get_default_graph()
-        if not getattr(graph, "building_function", False):
+        if not getattr(tf.compat.v1.get_default_graph(), "building_function", False):
             return worker
-        while getattr(getattr(graph, "outer_graph", None), "building_function", False):
-            graph = graph.outer_graph
+        graph = tracing.outermost()
         with self._lock:
             if graph not in self._graphs:
                 if worker is None:

@@ -202,6 +202,12 @@ class Placer:
             return
         self._examined.add(var.ref())
         self.gradient_types[path] = "sparse" if sparse else "dense"
+        if kind == placement_lib.PS and not sparse and self._policy.asynchronous:
+            # Never moved (architecture "ps"): said here, in whichever worker's trace,
+            # not left to the chief's first call (`mirroring_after_step`), which other
+            # workers' traces may outlast.
+            _warn_staying(path, self._stays_on_ps(var))
+            return
         if kind == placement_lib.PS and not sparse and self._mirroring_after_step:
             self._dense_tables.append(var)
             return
@@ -234,9 +240,7 @@ class Placer:
             path = table.path
             why = self._stays_on_ps(table)
             if why is not None:
-                _warn_misfit(path, "is on a PS but gets a dense gradient: the whole "
-                                   f"variable crosses the network every step. It stays "
-                                   f"on the PS: {why}")
+                _warn_staying(path, why)
                 continue
             self._policy.move_to_mirrored(
                 path, "dense gradient (moved after the first step)",
@@ -282,6 +286,11 @@ class Placer:
 def _warn_misfit(path, advice):
     warnings.warn(f"HybridStrategy: variable '{path}' {advice}. Training stays correct.",
                   placement_lib.PlacementWarning, stacklevel=4)
+
+
+def _warn_staying(path, why):
+    _warn_misfit(path, "is on a PS but gets a dense gradient: the whole variable crosses "
+                       f"the network every step. It stays on the PS: {why}")
 
 
 class _MovedTable(table_lib.ShardedTable):

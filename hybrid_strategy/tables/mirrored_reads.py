@@ -37,8 +37,11 @@ import weakref
 
 import tensorflow as tf
 
+from hybrid_strategy import tracing
+
 _scope = threading.local()  # .reads, .device: set by `reading_once`
-# Keras' update closure -> {(variable ref, dtype, graph, device): tensor read}.
+# Per trace (the graph of the function being traced; tracing.py): Keras' update
+# closure -> {(variable ref, dtype, graph, device): tensor read}.
 _READS = weakref.WeakKeyDictionary()
 
 
@@ -47,7 +50,8 @@ class reading_once:  # pylint: disable=invalid-name
 
     def __init__(self, update, device):
         # The strategy gets Keras' closure wrapped anew for each variable (autograph).
-        self._reads = _READS.setdefault(inspect.unwrap(update), {})
+        trace = _READS.setdefault(tracing.outermost(), weakref.WeakKeyDictionary())
+        self._reads = trace.setdefault(inspect.unwrap(update), {})
         self._device = device
         self._outer = None
 
@@ -66,9 +70,10 @@ def reading_on():
 
 
 def forget(variable):
-    """Reads of `variable` (being written) are made anew from now on."""
+    """Reads of `variable` (being written) in the function being traced are made anew
+    from now on."""
     ref = variable.ref()
-    for reads in list(_READS.values()):
+    for reads in list(_READS.get(tracing.outermost(), {}).values()):
         for key in [key for key in reads if key[0] == ref]:
             del reads[key]
 

@@ -44,6 +44,7 @@ except sparse_optimizers.UnsupportedOptimizerError as e:
 
 import contextlib
 import sys
+import threading
 import weakref
 
 import tensorflow as tf
@@ -228,7 +229,9 @@ class RowsView:
 
     Holds the current value of the selected rows, read from their shards when made;
     `read` returns it and `write` replaces it, as the optimizer's reads and writes of
-    the table reach it (`ShardedTable.rows_view`); `flush` writes the rows back.
+    the table reach it on this thread (`table.rows_standing_in`); `flush` writes the
+    rows back. It belongs to the step being traced: its value is a tensor of that
+    step's graph.
 
     ```python
     import tensorflow as tf
@@ -236,9 +239,8 @@ class RowsView:
     from hybrid_strategy.tables import table
     t = table.ShardedTable([tf.Variable(tf.zeros((3, 2))), tf.Variable(tf.ones((2, 2)))], "t")
     rows = sparse_optimizers.RowsView(t, [0, 1], [tf.constant([2]), tf.constant([0])])
-    t.rows_view = rows
-    t.assign_add(tf.fill((2, 2), 5.0))      # table rows 4 and 1
-    t.rows_view = None
+    with table.rows_standing_in([rows]):
+        t.assign_add(tf.fill((2, 2), 5.0))      # table rows 4 and 1
     rows.flush()
     print(t.numpy())
     ```
@@ -403,15 +405,9 @@ def _run_on(selection, tables, optimizer, update, steps):
     """
     with tf.device(selection.device), mirrored_reads.reading_once(update, selection.device):
         views = [RowsView(t, selection.shards, selection.indices) for t in tables]
-        for view in views:
-            view.table.rows_view = view
-        try:
-            with _without_xla(optimizer):
-                for step in steps:
-                    step()
-        finally:
-            for view in views:
-                view.table.rows_view = None
+        with table_lib.rows_standing_in(views), _without_xla(optimizer):
+            for step in steps:
+                step()
     return views
 
 
@@ -419,18 +415,35 @@ def _flushed(views, concurrent):
     return tf.group([op for view in views for op in view.flush(concurrent)])
 
 
+# id(optimizer) -> threads inside `_without_xla` of an optimizer whose jit_compile was on
+_XLA_OFF = {}
+_XLA_OFF_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _without_xla(optimizer):
     """tf_keras compiles updates with XLA on GPU machines, as functions of the variable
-    (here a stand-in for rows): update in the strategy's graph instead."""
-    jit_compile = getattr(optimizer, "jit_compile", False)
-    if jit_compile:
-        optimizer.jit_compile = False
+    (here a stand-in for rows): update in the strategy's graph instead.
+
+    The setting is the optimizer's, read by every thread tracing a step with it: it
+    stays off until the last thread inside leaves (an update of another variable
+    traced meanwhile runs without XLA, by the same rule).
+    """
+    key = id(optimizer)
+    with _XLA_OFF_LOCK:
+        turned_off = key in _XLA_OFF or getattr(optimizer, "jit_compile", False)
+        if turned_off:
+            _XLA_OFF[key] = _XLA_OFF.get(key, 0) + 1
+            optimizer.jit_compile = False
     try:
         yield
     finally:
-        if jit_compile:
-            optimizer.jit_compile = jit_compile
+        if turned_off:
+            with _XLA_OFF_LOCK:
+                _XLA_OFF[key] -= 1
+                if not _XLA_OFF[key]:
+                    del _XLA_OFF[key]
+                    optimizer.jit_compile = True
 
 
 def _slots_of(optimizer, table):

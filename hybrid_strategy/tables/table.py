@@ -82,6 +82,9 @@ _LAYER_CHECKED = threading.local()
 # (table, rows naming its gradient or None) of the tables looked up, on this thread, by
 # distinct rows in range (`distinct_rows_of`).
 _DISTINCT_ROWS = threading.local()
+# {id(table): the rows standing in for it} while an optimizer's rule runs on this thread
+# (`rows_standing_in`): per thread, as asynchronous training's workers trace at once.
+_ROWS_VIEWS = threading.local()
 
 
 @dispatch.register_dispatchable_type
@@ -119,9 +122,6 @@ class ShardedTable(tf.Variable):
         self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
         self._saving_variable = None
         self.wire_dtype = wire.check_wire_dtype(wire_dtype)
-        # While an optimizer updates some rows of the table (sparse_optimizers.py): the
-        # object standing in for them, which whole reads and writes go to instead.
-        self.rows_view = None
 
     # The tf.Variable surface Keras, optimizers and tf.distribute read ----------
 
@@ -183,6 +183,13 @@ class ShardedTable(tf.Variable):
     def ref(self):
         return _Ref(self)
 
+    @property
+    def rows_view(self):
+        """While an optimizer updates some rows of the table on this thread
+        (`rows_standing_in`): the object standing in for them, which whole reads and
+        writes go to instead; else None."""
+        return getattr(_ROWS_VIEWS, "views", {}).get(id(self))
+
     __hash__ = object.__hash__
     __eq__ = object.__eq__
     __ne__ = object.__ne__
@@ -237,8 +244,9 @@ class ShardedTable(tf.Variable):
 
     def _write_rows(self, value, method):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
-        if self.rows_view is not None:
-            return self.rows_view.write(method, value)
+        view = self.rows_view
+        if view is not None:
+            return view.write(method, value)
         ops = []
         for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
             with tf.device(shard.device):
@@ -326,6 +334,20 @@ class _Ref:
 
     def __eq__(self, other):
         return isinstance(other, _Ref) and other._table is self._table
+
+
+@contextlib.contextmanager
+def rows_standing_in(views):
+    """Within, on this thread: whole reads and writes of each view's `table` go to the
+    view (`view.read()`, `view.write(method, value)`), as an optimizer's rule reads and
+    writes the rows it updates (sparse_optimizers.py). Other threads, tracing other
+    steps at the same time, still see the tables."""
+    outer = getattr(_ROWS_VIEWS, "views", {})
+    _ROWS_VIEWS.views = {**outer, **{id(view.table): view for view in views}}
+    try:
+        yield
+    finally:
+        _ROWS_VIEWS.views = outer
 
 
 def _to_tensor(table, dtype=None, name=None, as_ref=False):
@@ -456,8 +478,9 @@ def exporting():
 
 def _read_whole(table):
     """The whole table as one tensor; its gradient flows to the table's handle."""
-    if table.rows_view is not None:
-        return table.rows_view.read()
+    view = table.rows_view
+    if view is not None:
+        return view.read()
     if exporting():
         return gen_resource_variable_ops.read_variable_op(
             table.saving_variable.handle, table.dtype)
