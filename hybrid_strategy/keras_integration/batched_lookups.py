@@ -63,10 +63,8 @@ def install(applies):
         # Keras reads which arguments `call` takes from its signature: Embedding.call's.
         @functools.wraps(call)
         def call_with_rows_looked_up(self, inputs):
-            looked_up = getattr(_LOOKED_UP, "rows", {}).get((id(self), id(inputs)))
-            if looked_up is not None and looked_up[0] is inputs:
-                return looked_up[1]
-            return call(self, inputs)
+            rows = looked_up(self, inputs)
+            return call(self, inputs) if rows is None else rows
 
         return call_with_rows_looked_up
 
@@ -76,6 +74,13 @@ def install(applies):
     # After the id checks (table_hooks): rows looked up at once are returned before
     # them, their ids having been checked by `_look_up`.
     registry.install("batched_lookups.rows_looked_up", make_call)
+
+
+def looked_up(layer, inputs):
+    """What the model running on this thread looked up at once for `layer`'s call on
+    `inputs`, or None."""
+    rows = getattr(_LOOKED_UP, "rows", {}).get((id(layer), id(inputs)))
+    return rows[1] if rows is not None and rows[0] is inputs else None
 
 
 def _look_up(function, inputs):
