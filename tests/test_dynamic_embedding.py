@@ -7,7 +7,8 @@ reset on admission, weights files restored over another number of map shards, an
 errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
 and tf_keras): every id's count, last step, row and optimizer slots match training
 on one device, with admissions and evictions on (exports of every placement are served
-in tests/test_serving.py); a save in the middle of an epoch on 2 ps (Keras 3
+in tests/test_serving.py), both tables crossing in one tensor per pair of tasks and
+direction in a step; a save in the middle of an epoch on 2 ps (Keras 3
 weights file, tf_keras TensorFlow checkpoint), restored onto 1 and onto 3 ps, ends
 training exactly where the uninterrupted run ended
 (tests/dynamic_checkpoint_scenario.py).
@@ -412,6 +413,22 @@ def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(ex
             assert (sum(stats["rows_in_use"]) == stats["admissions"] - stats["evictions"]
                     <= stats["capacity"]), stats
         assert max(case["dense_errors"].values()) <= TOLERANCE, name
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("run", ["keras3", "two_replicas_per_worker"])
+def test_a_models_dynamic_tables_share_one_exchange_per_pair_of_tasks(request, run):
+    # Keras 3 functional models train every DynamicEmbedding reading their inputs at
+    # once: both tables, split over both ps, cross in one tensor each way between a
+    # worker and a ps (the ids out, every row back) and between the two ps (the finds
+    # of the second, then the first's decisions). ps1 sums no dense gradient, and
+    # worker1 sends no reads of the optimizer (worker0 does): the other tensor worker1
+    # sends ps1 is its gradient push.
+    for name, case in RUNS.result(run, request).items():
+        transfers = case["transfers"]
+        assert transfers["ps0->ps1"] == transfers["ps1->ps0"] == 1, (name, transfers)
+        assert transfers["ps1->worker0"] == transfers["ps1->worker1"] == 1, (name, transfers)
+        assert transfers["worker1->ps1"] == 2, (name, transfers)
 
 
 @pytest.mark.cluster
