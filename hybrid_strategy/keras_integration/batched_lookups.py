@@ -122,8 +122,7 @@ def _look_up(function, inputs):
         looked_up.update({(id(layer), id(ids)): (ids, tf.cast(r, layer.compute_dtype))
                           for (layer, ids), r in zip(fixed, rows)})
     if len(dynamic) > 1:
-        from hybrid_strategy.layers import dynamic_embedding  # pylint: disable=import-outside-toplevel
-        outputs = dynamic_embedding.train_together(dynamic)
+        outputs = _dynamic_embedding().train_together(dynamic)
         looked_up.update({(id(layer), id(ids)): (ids, output)
                           for (layer, ids), output in zip(dynamic, outputs)})
     return looked_up
@@ -141,9 +140,14 @@ def _training():
 def _trains_dynamic(layer, node):
     """Whether `layer` is a DynamicEmbedding that the node calls as its model does (no
     `training` argument of its own), which then trains its table."""
-    from hybrid_strategy.layers import dynamic_embedding  # pylint: disable=import-outside-toplevel
-    return (isinstance(layer, dynamic_embedding.DynamicEmbedding)
+    return (isinstance(layer, _dynamic_embedding().DynamicEmbedding)
             and "training" not in node.arguments.kwargs and not table_lib.exporting())
+
+
+def _dynamic_embedding():
+    # Imported when used: the layer's module imports this one.
+    from hybrid_strategy.layers import dynamic_embedding  # pylint: disable=import-outside-toplevel
+    return dynamic_embedding
 
 
 def _takes_part(layer, keras):

@@ -100,6 +100,8 @@ def _top_bits(x, bits):
 
 def held_on(rows, shard, num_shards):
     """Which of `rows` (-1: none) shard `shard` of `num_shards` holds (rows k::S)."""
+    if num_shards == 1:
+        return rows >= 0
     return (rows >= 0) & tf.equal(rows % num_shards, shard)
 
 
@@ -193,6 +195,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def __init__(self, capacity, devices, min_count=1, policy="lru", max_age=None,
                  max_waiting=None, headroom=None, name="remap"):
+        self.name = name
         self.capacity = int(capacity)
         self.devices = tuple(devices)
         self.min_count = int(min_count)

@@ -68,7 +68,8 @@ def train(tables):
         for part in ("send_keys", "find", "decide", "settle"):
             outbox = wire.Outbox()
             for step in steps:
-                getattr(step, part)(outbox)
+                with tf.name_scope(f"{step.remap.name}_{part}"):
+                    getattr(step, part)(outbox)
             arrived = outbox.deliver()
             for step in steps:
                 step.arrived = arrived
@@ -144,10 +145,13 @@ class _Step:
             if rows_table is None:
                 resets = [self.table.reset(decision.admitted_rows, decision.admitted_keys,
                                            None)]
-            else:
-                here = tf.where(dynamic.held_on(decision.admitted_rows, 0, len(self.devices)))[:, 0]
+            elif self.down:
+                here = tf.where(dynamic.held_on(decision.admitted_rows, 0,
+                                                len(self.devices)))[:, 0]
                 given.insert(0, (tf.gather(decision.admitted_rows, here),
                                  tf.gather(decision.admitted_keys, here)))
+            else:
+                given.insert(0, (decision.admitted_rows, decision.admitted_keys))
         if rows_table is not None:
             resets = []
             for k, (device, (new_rows, new_keys)) in enumerate(zip(self.devices, given)):
@@ -164,8 +168,10 @@ class _Step:
                         self.rows_sent.append(outbox.put(device, host, mine))
                     if rows_table is None:
                         continue
-                    local = tf.gather(mine, tf.where(dynamic.held_on(mine, k, len(self.devices)))[:, 0])
-                    local //= len(self.devices)
+                    local = tf.gather(mine, tf.where(
+                        dynamic.held_on(mine, k, len(self.devices)))[:, 0])
+                    if self.down:
+                        local //= len(self.devices)
                     with tf.control_dependencies(resets[k]):
                         gathered = tf.raw_ops.ResourceGather(
                             resource=rows_table.shards[k].handle, indices=local,
