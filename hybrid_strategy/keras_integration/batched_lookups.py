@@ -139,8 +139,11 @@ def _training():
 
 def _trains_dynamic(layer, node):
     """Whether `layer` is a DynamicEmbedding that the node calls as its model does (no
-    `training` argument of its own), which then trains its table."""
+    `training` argument of its own), which then trains its table, and which is called
+    nowhere else: a layer's calls train its table one after the other, each seeing
+    the decisions of the one before, in the model's order."""
     return (isinstance(layer, _dynamic_embedding().DynamicEmbedding)
+            and len(layer._inbound_nodes) == 1  # Keras-private: the layer's calls
             and "training" not in node.arguments.kwargs and not table_lib.exporting())
 
 

@@ -62,7 +62,15 @@ Result = collections.namedtuple("Result", "rows held_rows vectors shard held_on_
 
 def train(tables):
     """Admission, eviction and the rows of every `Table`, for the global batch, in one
-    exchange; in a cross-replica context. Returns, per table, a `Result` per replica."""
+    exchange; in a cross-replica context. Returns, per table, a `Result` per replica.
+
+    Each table's step finds its ids before any table's decisions are written: a map
+    may take part once (a layer called twice trains twice, one call after the other).
+    """
+    remaps = [table.remap for table in tables]
+    if len({id(remap) for remap in remaps}) < len(remaps):
+        raise ValueError("dynamic_exchange.train: a table takes part in an exchange once; "
+                         "train a layer's calls one after the other.")
     steps = [_Step(table) for table in tables]
     with record.stop_recording():
         for part in ("send_keys", "find", "decide", "settle"):
