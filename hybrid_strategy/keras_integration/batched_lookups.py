@@ -12,10 +12,11 @@ same ids checks, rows, masks and gradients (one `IndexedSlices` per table) as th
 layer's own lookup. Only plain `keras.layers.Embedding` layers take part (not
 subclasses, which may look up otherwise, nor quantized or LoRA ones).
 
-In training, the model's `DynamicEmbedding` layers that read its inputs train their
-tables together the same way (`dynamic_embedding.train_together`): their ids cross
-to each PS task in one tensor, and their admissions, evictions and rows come back in
-one, whatever the number of tables, instead of an exchange per table.
+In training, the model's `DynamicEmbedding` layers that read its inputs (and are called
+nowhere else: a layer's calls train one after the other) train their tables together
+the same way (`dynamic_embedding.train_together`): their ids cross to each PS task in
+one tensor, and their admissions, evictions and rows come back in one, whatever the
+number of tables, instead of an exchange per table.
 
 ```python
 import keras

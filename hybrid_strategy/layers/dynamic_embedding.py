@@ -53,8 +53,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     Decisions are taken once per training step for the global batch, before any
     row is read, so training on N workers gives what one device gives on the same
     global batch. Evaluation and prediction look ids up without counting them. The
-    DynamicEmbedding layers of a Keras 3 functional model that read its inputs train
-    together, in one exchange with each PS task (tables/dynamic_exchange.py).
+    DynamicEmbedding layers of a Keras 3 functional model that read its inputs (each
+    called once in it) train together, in one exchange with each PS task
+    (tables/dynamic_exchange.py).
 
     Args:
         output_dim: Size of each vector.
