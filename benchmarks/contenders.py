@@ -124,6 +124,14 @@ MODELS = {
     "criteo": ModelSpec("keras_examples.recommender", "examples", 512,
                         build={"table_sizes": CRITEO_TABLE_SIZES, "num_dense": 13},
                         data={"table_sizes": CRITEO_TABLE_SIZES, "num_dense": 13}),
+    # 8 single-hot tables of 10,000 rows, fixed `Embedding`s or `DynamicEmbedding`s of
+    # the same rows: what a dynamic table's step costs beside a fixed one's.
+    "recommender8": ModelSpec("keras_examples.recommender", "examples", 512,
+                              build={"table_sizes": (10_000,) * 8},
+                              data={"table_sizes": (10_000,) * 8}),
+    "recommender8_dynamic": ModelSpec("keras_examples.recommender", "examples", 512,
+                                      build={"table_sizes": (10_000,) * 8, "dynamic": True},
+                                      data={"table_sizes": (10_000,) * 8}),
 }
 
 

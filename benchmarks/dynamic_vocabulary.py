@@ -2,7 +2,8 @@
 
     python -m benchmarks.dynamic_vocabulary [--examples 1000000] [--batch 1024] [--dim 16]
         [--capacity-fraction 0.5] [--chunks 5] [--target-auc 0.75]
-        [--variants dynamic hashing lookup fixed] [--where local cluster] [--ps 1] [--tfra]
+        [--variants dynamic hashing lookup fixed] [--where local cluster] [--ps 1]
+        [--min-shard-bytes N] [--tfra]
 
 The data is `benchmarks.raw_id_data.make(--examples)`: a user id and up to 5 item ids
 per example, raw int64 hashes, Zipf-distributed over a universe that grows with time
@@ -26,7 +27,8 @@ ids become rows:
 --where local trains in this process; --where cluster under a HybridStrategy of
 1 worker + --ps ps tasks (`python -m hybrid_strategy.launch`, this file as its chief):
 the tables on the ps tasks, each placed as placement decides (whole, or split over the
-tasks when at least twice `min_shard_bytes`). The variants take their chunks in turn
+tasks when at least twice `min_shard_bytes`, --min-shard-bytes: by default
+HybridStrategy's, 1 MiB). The variants take their chunks in turn
 (chunk 1 of each, then chunk 2 of each, ...), so that load from elsewhere falls on all
 alike. Per variant: examples/s over the chunks after the first (which holds the
 tracing), validation AUC (exact, numpy) after each chunk, the training time until it
@@ -64,6 +66,8 @@ def parse_args(argv=None):
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--where", nargs="+", choices=WHERE, default=list(WHERE))
     parser.add_argument("--ps", type=int, default=1, help="ps tasks of --where cluster")
+    parser.add_argument("--min-shard-bytes", type=int, default=None,
+                        help="HybridStrategy's min_shard_bytes for --where cluster")
     parser.add_argument("--tfra", action="store_true")
     parser.add_argument("--out", default=os.path.join(RESULTS, "dynamic_vocabulary.json"))
     parser.add_argument("--chief", help=argparse.SUPPRESS)  # JSON file a cluster run writes
@@ -221,7 +225,10 @@ def run_chief(args):
     """As the chief of a local cluster: every variant under one HybridStrategy."""
     import hybrid_strategy  # pylint: disable=import-outside-toplevel
 
-    results = run_variants(args, _data(args), hybrid_strategy.HybridStrategy())
+    options = {} if args.min_shard_bytes is None else {"min_shard_bytes": args.min_shard_bytes}
+    strategy = hybrid_strategy.HybridStrategy(**options)
+    results = run_variants(args, _data(args), strategy)
+    print(strategy.placement, flush=True)
     with open(args.chief, "w") as f:
         json.dump(results, f)
 

@@ -164,12 +164,16 @@ def main(argv=None):
     parser.add_argument("--model", default="recommender")
     from benchmarks import contenders  # pylint: disable=import-outside-toplevel
     parser.add_argument("--contender", default="hybrid",
-                        choices=sorted(contenders.HYBRID_ARCHITECTURES))
+                        help="a HybridStrategy contender of benchmarks/contenders.py ("
+                             f"{', '.join(sorted(contenders.HYBRID_ARCHITECTURES))}), "
+                             "options included, e.g. hybrid:min_shard_bytes=65536")
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--names", action="store_true",
                         help="also list the tensors crossing, by their edge names")
     parser.add_argument("--json", help="also write the counts to this file")
     options = parser.parse_args(argv)
+    if contenders.base_of(options.contender) not in contenders.HYBRID_ARCHITECTURES:
+        parser.error(f"--contender {options.contender}: not a HybridStrategy contender")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     counted = measure(options.model, options.contender, options.steps_per_execution,
                       options.names)

@@ -87,21 +87,22 @@ def make_dataset(num_examples, batch_size, table_sizes=DEFAULT_TABLE_SIZES, num_
 
 
 def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128),
-                num_dense=8, l2=0.0, feature_names=None, name="recommender"):
+                num_dense=8, l2=0.0, feature_names=None, name="recommender", dynamic=False):
     """One Embedding per categorical feature, concatenated with the dense features, an MLP.
 
     The categorical inputs are named `feature_names` (default sparse_0, sparse_1, ...),
     the dense ones "dense". With `l2` > 0, every table carries an l2
     `embeddings_regularizer` of that factor, as click-through model libraries give their
-    tables by default; HybridStrategy computes each table's penalty on its PS.
+    tables by default; HybridStrategy computes each table's penalty on its PS. With
+    `dynamic`, each table is a `hybrid_strategy.layers.DynamicEmbedding` of as many rows
+    (every id of the data gets one at its first sighting).
     """
     regularizer = keras.regularizers.L2(l2) if l2 else None
     feature_names = feature_names or [f"sparse_{i}" for i in range(len(table_sizes))]
     inputs = {feature: keras.Input(shape=(), dtype="int32", name=feature)
               for feature in feature_names}
     inputs["dense"] = keras.Input(shape=(num_dense,), dtype="float32", name="dense")
-    embedded = [keras.layers.Embedding(size, embedding_dim, name=f"embedding_{i}",
-                                       embeddings_regularizer=regularizer)(
+    embedded = [_table(size, embedding_dim, f"embedding_{i}", regularizer, dynamic)(
                     inputs[feature])
                 for i, (feature, size) in enumerate(zip(feature_names, table_sizes))]
     x = keras.layers.Concatenate(name="concat")(embedded + [inputs["dense"]])
@@ -113,6 +114,15 @@ def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=
                   loss="binary_crossentropy",
                   metrics=["accuracy", keras.metrics.AUC(name="auc")])
     return model
+
+
+def _table(rows, dim, name, regularizer, dynamic):
+    if not dynamic:
+        return keras.layers.Embedding(rows, dim, name=name, embeddings_regularizer=regularizer)
+    from hybrid_strategy.layers import DynamicEmbedding  # pylint: disable=import-outside-toplevel
+    if regularizer is not None:
+        raise ValueError("build_model: dynamic tables take no l2 penalty here.")
+    return DynamicEmbedding(dim, capacity=rows, name=name)
 
 
 def define_flags():

@@ -10,7 +10,8 @@ the id -> row maps split over them) and the same model on one
 device from the same weights on the same global batches, and reports, per table,
 whether both hold the same ids with the same counts and last steps, the relative
 error of each id's row and optimizer slots, and of the dense weights, admissions,
-evictions, and where rows and maps live. Keras 3 and, under TF_USE_LEGACY_KERAS=1,
+evictions, where rows and maps live, and the tensors a training step sends between
+tasks (benchmarks/step_transfers.py). Keras 3 and, under TF_USE_LEGACY_KERAS=1,
 tf_keras. (Exports of dynamic tables are served in tests/test_serving.py.) Prints the
 report as JSON:
 
@@ -24,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import optimizer_references as references
+from benchmarks import step_transfers
 from optimizer_scenario import devices, path
 
 keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
@@ -120,7 +122,8 @@ def case(strategy, weights, make_optimizer, inputs, clicks):
         model.compile(optimizer=make_optimizer(), loss=loss)
         small = _small_table()
     dataset = tf.data.Dataset.from_tensor_slices((inputs, clicks)).batch(GLOBAL_BATCH)
-    model.fit(dataset, epochs=1, verbose=0)
+    with step_transfers.RunMetadata() as metadata:
+        model.fit(dataset, epochs=1, verbose=0)
     reference = build_model()
     reference.set_weights(weights)
     reference.compile(optimizer=make_optimizer(), loss=loss)
@@ -131,6 +134,7 @@ def case(strategy, weights, make_optimizer, inputs, clicks):
     return {"tables": {name: compare(model.get_layer(name), reference.get_layer(name))
                        for name in TABLES},
             "dense_errors": dense,
+            "transfers": step_transfers.count_transfers(metadata.result)["transfers"],
             "small_table": {"rows_devices": devices(small.embeddings),
                             "remap_devices": list(small.remap.devices)}}
 

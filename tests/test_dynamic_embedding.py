@@ -7,7 +7,8 @@ reset on admission, weights files restored over another number of map shards, an
 errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
 and tf_keras): every id's count, last step, row and optimizer slots match training
 on one device, with admissions and evictions on (exports of every placement are served
-in tests/test_serving.py); a save in the middle of an epoch on 2 ps (Keras 3
+in tests/test_serving.py), both tables crossing in one tensor per pair of tasks and
+direction in a step; a save in the middle of an epoch on 2 ps (Keras 3
 weights file, tf_keras TensorFlow checkpoint), restored onto 1 and onto 3 ps, ends
 training exactly where the uninterrupted run ended
 (tests/dynamic_checkpoint_scenario.py).
@@ -276,6 +277,48 @@ def test_tensorflow_checkpoints_restore_the_map_onto_another_number_of_shards(tm
         k: v[1:] for k, v in _held(two).items()}
 
 
+def test_a_functional_models_tables_train_together_as_they_train_one_by_one(monkeypatch):
+    import hybrid_strategy
+    from hybrid_strategy.tables import dynamic_exchange
+
+    DynamicEmbedding, _ = _layers()
+
+    def model():
+        a, b, c, d = (keras.Input((1,), dtype="int64", name=n) for n in "abcd")
+        shared = DynamicEmbedding(3, capacity=6, min_count=2, name="shared", seed=1)
+        parts = [DynamicEmbedding(3, capacity=5, eviction="lfu", name="a_table", seed=2)(a),
+                 DynamicEmbedding(3, capacity=4, max_age=3, name="b_table", seed=3)(b),
+                 shared(c), shared(d)]   # called twice: trained call by call
+        x = keras.layers.Concatenate()([keras.layers.Flatten()(p) for p in parts])
+        built = keras.Model([a, b, c, d], keras.layers.Dense(1)(x))
+        built.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        return built
+
+    exchanges = []
+    train = dynamic_exchange.train
+    monkeypatch.setattr(dynamic_exchange, "train", lambda tables: exchanges.append(
+        sorted(t.remap.name for t in tables)) or train(tables))
+    rng = np.random.default_rng(0)
+    x = [rng.integers(0, 12, (64, 1)) * 10**12 for _ in range(4)]
+    y = rng.normal(size=(64, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    alone = model()
+    weights = alone.get_weights()
+    alone.fit(x, y, batch_size=8, verbose=0)
+    exchanges.clear()
+    with hybrid_strategy.HybridStrategy().scope():
+        together = model()
+    together.set_weights(weights)
+    together.fit(x, y, batch_size=8, verbose=0)
+    assert ["a_table_remap", "b_table_remap"] in exchanges, exchanges
+    assert ["shared_remap"] in exchanges, exchanges
+    for name in ("a_table", "b_table", "shared"):
+        assert _held(together.get_layer(name).remap) == _held(alone.get_layer(name).remap)
+        assert together.get_layer(name).table_stats() == alone.get_layer(name).table_stats()
+    np.testing.assert_allclose(together.predict(x, verbose=0), alone.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_the_logger_and_the_placement_report_rows_admissions_and_evictions():
     import hybrid_strategy
     from hybrid_strategy.layers import DynamicTableLogger
@@ -412,6 +455,22 @@ def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(ex
             assert (sum(stats["rows_in_use"]) == stats["admissions"] - stats["evictions"]
                     <= stats["capacity"]), stats
         assert max(case["dense_errors"].values()) <= TOLERANCE, name
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("run", ["keras3", "two_replicas_per_worker"])
+def test_a_models_dynamic_tables_share_one_exchange_per_pair_of_tasks(request, run):
+    # Keras 3 functional models train every DynamicEmbedding reading their inputs at
+    # once: both tables, split over both ps, cross in one tensor each way between a
+    # worker and a ps (the ids out, every row back) and between the two ps (the finds
+    # of the second, then the first's decisions). ps1 sums no dense gradient, and
+    # worker1 sends no reads of the optimizer (worker0 does): the other tensor worker1
+    # sends ps1 is its gradient push.
+    for name, case in RUNS.result(run, request).items():
+        transfers = case["transfers"]
+        assert transfers["ps0->ps1"] == transfers["ps1->ps0"] == 1, (name, transfers)
+        assert transfers["ps1->worker0"] == transfers["ps1->worker1"] == 1, (name, transfers)
+        assert transfers["worker1->ps1"] == 2, (name, transfers)
 
 
 @pytest.mark.cluster

@@ -12,6 +12,12 @@ same ids checks, rows, masks and gradients (one `IndexedSlices` per table) as th
 layer's own lookup. Only plain `keras.layers.Embedding` layers take part (not
 subclasses, which may look up otherwise, nor quantized or LoRA ones).
 
+In training, the model's `DynamicEmbedding` layers that read its inputs (and are called
+nowhere else: a layer's calls train one after the other) train their tables together
+the same way (`dynamic_embedding.train_together`): their ids cross to each PS task in
+one tensor, and their admissions, evictions and rows come back in one, whatever the
+number of tables, instead of an exchange per table.
+
 ```python
 import keras
 import hybrid_strategy
@@ -32,8 +38,8 @@ import tensorflow as tf
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.tables import table as table_lib
 
-# {(id of an Embedding layer, id of its ids tensor): (ids tensor, rows)} of the
-# functional models running on this thread.
+# {(id of an Embedding or DynamicEmbedding layer, id of its ids tensor): (ids tensor,
+# its output)} of the functional models running on this thread.
 _LOOKED_UP = threading.local()
 
 
@@ -63,10 +69,8 @@ def install(applies):
         # Keras reads which arguments `call` takes from its signature: Embedding.call's.
         @functools.wraps(call)
         def call_with_rows_looked_up(self, inputs):
-            looked_up = getattr(_LOOKED_UP, "rows", {}).get((id(self), id(inputs)))
-            if looked_up is not None and looked_up[0] is inputs:
-                return looked_up[1]
-            return call(self, inputs)
+            rows = looked_up(self, inputs)
+            return call(self, inputs) if rows is None else rows
 
         return call_with_rows_looked_up
 
@@ -78,34 +82,76 @@ def install(applies):
     registry.install("batched_lookups.rows_looked_up", make_call)
 
 
+def looked_up(layer, inputs):
+    """What the model running on this thread looked up at once for `layer`'s call on
+    `inputs`, or None."""
+    rows = getattr(_LOOKED_UP, "rows", {}).get((id(layer), id(inputs)))
+    return rows[1] if rows is not None and rows[0] is inputs else None
+
+
 def _look_up(function, inputs):
-    """The rows of every plain Embedding of `function` indexed by one of its inputs,
-    looked up at once, keyed as `_LOOKED_UP.rows`; {} when fewer than two."""
+    """What the tables of `function` indexed by one of its inputs give, looked up at
+    once, keyed as `_LOOKED_UP.rows`: the rows of every plain Embedding, and in
+    training the outputs of every DynamicEmbedding; {} for kinds with fewer than two."""
     import keras  # pylint: disable=import-outside-toplevel
 
     values = keras.tree.flatten(inputs)
     if not all(isinstance(value, tf.Tensor) for value in values):
         return {}  # symbolic (KerasTensor) or eager inputs: no step being traced
     given = {id(x): y for x, y in zip(function.inputs, values)}
-    layers, requests = [], []
+    fixed, dynamic = [], []
+    training = _training()
     for nodes in function._nodes_by_depth.values():
         for node in nodes:
             layer = node.operation
-            if not _takes_part(layer, keras) or len(node.input_tensors) != 1:
-                continue
-            ids = given.get(id(node.input_tensors[0]))
+            ids = given.get(id(node.input_tensors[0])) if len(node.input_tensors) == 1 else None
             if ids is None:
                 continue
+            if training and _trains_dynamic(layer, node):
+                dynamic.append((layer, ids))
+            elif _takes_part(layer, keras):
+                fixed.append((layer, ids))
+    looked_up = {}
+    if len(fixed) > 1:
+        requests = []
+        for layer, ids in fixed:
             checked = table_lib.checked_layer_ids(layer, ids)
             if not checked.dtype.is_integer:
                 checked = tf.cast(checked, tf.int32)  # as Embedding.call does
-            layers.append((layer, ids))
             requests.append((layer.embeddings._value, checked))
-    if len(requests) < 2:
-        return {}
-    rows = table_lib.lookup_many(requests, checked=True)
-    return {(id(layer), id(ids)): (ids, tf.cast(r, layer.compute_dtype))
-            for (layer, ids), r in zip(layers, rows)}
+        rows = table_lib.lookup_many(requests, checked=True)
+        looked_up.update({(id(layer), id(ids)): (ids, tf.cast(r, layer.compute_dtype))
+                          for (layer, ids), r in zip(fixed, rows)})
+    if len(dynamic) > 1:
+        outputs = _dynamic_embedding().train_together(dynamic)
+        looked_up.update({(id(layer), id(ids)): (ids, output)
+                          for (layer, ids), output in zip(dynamic, outputs)})
+    return looked_up
+
+
+def _training():
+    """The `training` argument of the model call being run (Keras passes it down)."""
+    # Keras-private: the call context, where Keras keeps the outermost call's
+    # `training` for the layers it calls; a graph runner has no other way to it.
+    from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
+    context = global_state.get_global_attribute("current_call_ctx")
+    return bool(context is not None and context.get_value("training"))
+
+
+def _trains_dynamic(layer, node):
+    """Whether `layer` is a DynamicEmbedding that the node calls as its model does (no
+    `training` argument of its own), which then trains its table, and which is called
+    nowhere else: a layer's calls train its table one after the other, each seeing
+    the decisions of the one before, in the model's order."""
+    return (isinstance(layer, _dynamic_embedding().DynamicEmbedding)
+            and len(layer._inbound_nodes) == 1  # Keras-private: the layer's calls
+            and "training" not in node.arguments.kwargs and not table_lib.exporting())
+
+
+def _dynamic_embedding():
+    # Imported when used: the layer's module imports this one.
+    from hybrid_strategy.layers import dynamic_embedding  # pylint: disable=import-outside-toplevel
+    return dynamic_embedding
 
 
 def _takes_part(layer, keras):

@@ -38,16 +38,31 @@ def track_slots(variable):
     setattr(variable, _SLOTS, [])
 
 
-def reset_rows(variable, rows, values):
+def reset_rows(variable, rows, values, shard=None):
     """Writes `values` to `rows` of `variable` and its slots' initial rows; returns the
     op writing the variable's, in a list. The slots' writes need no waiting for: the
-    optimizer reads them after the step's lookups, and tf.function runs them first."""
+    optimizer reads them after the step's lookups, and tf.function runs them first.
+    With `shard`, `variable` is a PS table and `rows` (table-wide) are on that shard:
+    they are written there alone, on the caller's device."""
     for slot, row in getattr(variable, _SLOTS):
         # A constant of the graph, made where the slot's rows are written: an eager
         # tensor would be an input of every step, sent from the chief.
         initial = tf.tile(tf.constant(row, slot.dtype), tf.stack([tf.size(rows), 1]))
-        _tf_variable(slot).scatter_update(tf.IndexedSlices(initial, rows))
-    return [_tf_variable(variable).scatter_update(tf.IndexedSlices(values, rows))]
+        _rows_of(slot, rows, shard).scatter_update(tf.IndexedSlices(initial, _local(
+            slot, rows, shard)))
+    return [_rows_of(variable, rows, shard).scatter_update(
+        tf.IndexedSlices(values, _local(variable, rows, shard)))]
+
+
+def _rows_of(variable, rows, shard):
+    """What `rows` of `variable` are written to: the variable, or its PS shard."""
+    variable = _tf_variable(variable)
+    return variable if shard is None else variable.shards[shard]
+
+
+def _local(variable, rows, shard):
+    """`rows` as `_rows_of` numbers them: rows r of shard k of S are r // S there."""
+    return rows if shard is None else rows // _tf_variable(variable).num_shards
 
 
 def _tf_variable(variable):

@@ -12,8 +12,9 @@ model.fit(ids, np.ones((2, 1)), epochs=2, verbose=0)
 ```
 """
 
+import collections
 import collections.abc
-import contextlib
+import functools
 import re
 import weakref
 
@@ -24,8 +25,10 @@ import tensorflow as tf
 # replica's part, as merge_call's results are handed back.
 from tensorflow.python.distribute import distribute_utils
 
+from hybrid_strategy.keras_integration import batched_lookups
 from hybrid_strategy.keras_integration import dynamic_hooks
 from hybrid_strategy.tables import dynamic
+from hybrid_strategy.tables import dynamic_exchange
 from hybrid_strategy.tables import table as table_lib
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -43,13 +46,16 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     seen first), and `max_age` evicts ids not seen for that many steps. An admitted
     id's row starts from `embeddings_initializer`, drawn from a hash of the id, and
     its optimizer slots from their initial values. Under a `HybridStrategy` the rows
-    are a table on the PS tasks, and the id -> row map is split as the rows are (over
-    the PS tasks holding them), by a hash of the id; elsewhere both are local, with the
+    are a table on the PS tasks, and the id -> row map is split as the rows are (each
+    PS task holding rows maps the ids of its rows); elsewhere both are local, with the
     same results.
 
     Decisions are taken once per training step for the global batch, before any
     row is read, so training on N workers gives what one device gives on the same
-    global batch. Evaluation and prediction look ids up without counting them.
+    global batch. Evaluation and prediction look ids up without counting them. The
+    DynamicEmbedding layers of a Keras 3 functional model that read its inputs (each
+    called once in it) train together, in one exchange with each PS task
+    (tables/dynamic_exchange.py).
 
     Args:
         output_dim: Size of each vector.
@@ -131,64 +137,59 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        ids, output = self._flat_ids(inputs)
-        keys = dynamic.keys_of(ids)
+        looked_up = batched_lookups.looked_up(self, inputs)
+        if looked_up is not None:  # with the model's other tables
+            return looked_up
         context = tf.distribute.get_replica_context()
         # A SavedModel's traces (tf_keras traces training calls too) only look up.
-        training = training and context is not None and not table_lib.exporting()
+        if training and context is not None and not table_lib.exporting():
+            return train_together([(self, inputs)])[0]
+        ids, output = self._flat_ids(inputs)
+        distinct, position = tf.unique(dynamic.keys_of(ids), out_idx=tf.int64)
+        rows = self.remap.lookup(distinct)
+        held_rows = tf.gather_nd(rows, tf.where(rows >= 0))
+        return self._output(_Counted(None, position, output),
+                            dynamic_exchange.Result(rows, held_rows, None, None, None))
+
+    def _counted(self, inputs):
+        """The distinct keys of `inputs` with their counts, for a training step."""
+        ids, output = self._flat_ids(inputs)
         # Each distinct id once, uniqued where the ids are: distinct ids hold distinct
         # rows, each read once, so that its gradient has each row once, its occurrences
         # summed, as a dense gradient would (Keras' sparse optimizer steps would
         # otherwise take repeated rows one by one).
-        if training:
-            distinct, position, counts = tf.unique_with_counts(keys, out_idx=tf.int64)
-            rows = context.merge_call(self._train_step, args=(tf.stack([distinct, counts]),))
-        else:
-            distinct, position = tf.unique(keys, out_idx=tf.int64)
-            rows = self.remap.lookup(distinct)
-        # Each id's place among the vectors (-1: no row), and the rows of the gradient.
-        held = rows >= 0
-        place = tf.gather(tf.where(held, tf.cumsum(tf.cast(held, tf.int64)) - 1, -1), position)
+        distinct, position, counts = tf.unique_with_counts(dynamic.keys_of(ids),
+                                                           out_idx=tf.int64)
+        return _Counted(tf.stack([distinct, counts]), position, output)
+
+    def _exchanged(self, counted):
+        """This table's part of a step's exchange (`counted`: per replica)."""
+        rows = getattr(self.embeddings, "_value", self.embeddings)
+        split_as_map = table_lib.is_table(rows) and rows.devices == self.remap.devices
+        return dynamic_exchange.Table(self.remap, rows if split_as_map else None,
+                                      self._reset, counted)
+
+    def _output(self, counted, result):
+        """The layer's output from the rows of its distinct keys (`result`)."""
+        held = result.rows >= 0
+        # Each id's place among the vectors (-1: no row).
+        place = tf.gather(tf.where(held, tf.cumsum(tf.cast(held, tf.int64)) - 1, -1),
+                          counted.position)
         found = tf.where(place >= 0)
-        held_rows = tf.gather_nd(rows, tf.where(held))
-        looked_up, beside_map = held_rows, contextlib.nullcontext()
-        if training:
-            # Training makes the rows beside the map's first shard, and looks them up from
-            # there, so that they reach the table's shards without a round trip through
-            # the worker: they cross to it once, for the lines above, as the vectors do.
-            beside_map = tf.device(self.remap.devices[0])
-            with tf.device(self.remap.devices[0]):
-                looked_up = tf.gather_nd(rows, tf.where(rows >= 0))
-        with table_lib.distinct_rows_of(getattr(self.embeddings, "_value", self.embeddings),
-                                        gradient_rows=held_rows), beside_map:
-            vectors = tf.nn.embedding_lookup(self.embeddings, looked_up)
-        # The vectors cross once, here, where the gradient of their gather then takes
-        # their shape.
-        vectors = tf.identity(vectors)
-        return output(found, tf.cast(tf.gather(vectors, tf.gather_nd(place, found)),
-                                     self.compute_dtype))
+        rows = getattr(self.embeddings, "_value", self.embeddings)
+        if result.vectors is not None:
+            vectors = table_lib.rows_read(rows, result.vectors, result.held_rows,
+                                          result.shard, result.held_on_ps)
+        else:
+            with table_lib.distinct_rows_of(rows):
+                vectors = tf.nn.embedding_lookup(self.embeddings, result.held_rows)
+        return counted.output(found, tf.cast(tf.gather(vectors, tf.gather_nd(place, found)),
+                                             self.compute_dtype))
 
-    def _train_step(self, strategy, counted):
-        """Admission and eviction for the global batch, once: the rows of each replica's
-        distinct ids, given with their counts (`counted`: [2, ids])."""
-        parts = strategy.experimental_local_results(counted)
-        # Each replica's ids and counts cross to the map's first shard as one tensor.
-        with tf.device(self.remap.devices[0]):
-            keys, counts = tf.unstack(tf.concat(parts, 1) if len(parts) > 1 else parts[0])
-            if len(parts) > 1:
-                keys, place = tf.unique(keys, out_idx=tf.int64)
-                counts = tf.math.unsorted_segment_sum(counts, place, tf.size(keys))
-        rows = self.remap.train(keys, counts, self._reset)
-        if len(parts) == 1:
-            return rows
-        with tf.device(self.remap.devices[0]):
-            return distribute_utils.regroup(tuple(
-                tf.gather(rows, p) for p in tf.split(place, [tf.shape(p)[1] for p in parts])))
-
-    def _reset(self, rows, keys):
+    def _reset(self, rows, keys, shard):
         values = dynamic.initial_rows(keys, self.output_dim, self._initializer, self.seed,
                                       self.embeddings.dtype)
-        return dynamic_hooks.reset_rows(self.embeddings, rows, values)
+        return dynamic_hooks.reset_rows(self.embeddings, rows, values, shard)
 
     def _flat_ids(self, inputs):
         """(the ids to look up, flat; a function from the places of those with a row
@@ -289,6 +290,33 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                       pad_id=self.pad_id, seed=self.seed,
                       embeddings_initializer=_serializable(self.embeddings_initializer))
         return config
+
+
+# A call's distinct keys and their counts ([2, n]; None outside training), each id's
+# place among them, and the function from the places and vectors of ids with a row
+# to the output (`DynamicEmbedding._flat_ids`).
+_Counted = collections.namedtuple("_Counted", "counted position output")
+
+
+def train_together(calls):
+    """The outputs of training calls `(layer, inputs)` of DynamicEmbedding layers, in a
+    replica context: every table's admissions, evictions and rows for the global batch
+    in one exchange (tables/dynamic_exchange.py), before any replica reads a row."""
+    counted = [layer._counted(inputs) for layer, inputs in calls]
+    layers = [layer for layer, _ in calls]
+    results = tf.distribute.get_replica_context().merge_call(
+        functools.partial(_exchange, layers), args=(tuple(c.counted for c in counted),))
+    return [layer._output(c, result) for layer, c, result in zip(layers, counted, results)]
+
+
+def _exchange(layers, strategy, counted):
+    """`train_together`'s cross-replica part: per replica, a `Result` per layer."""
+    counted = [strategy.experimental_local_results(c) for c in counted]
+    results = dynamic_exchange.train(
+        [layer._exchanged(c) for layer, c in zip(layers, counted)])
+    by_replica = tuple(tuple(result[i] for result in results)
+                       for i in range(len(counted[0])))
+    return by_replica[0] if len(by_replica) == 1 else distribute_utils.regroup(by_replica)
 
 
 class _Without:

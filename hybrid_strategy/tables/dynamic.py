@@ -2,14 +2,16 @@
 
 A `Remap` gives each admitted id a row of a `capacity`-row table (a `ShardedTable`
 on the PS tasks under a HybridStrategy, a plain variable elsewhere). It holds one
-`MutableHashTable` per shard (an id's shard is a hash of the id; under a HybridStrategy
-one per shard of the table's rows, on its PS task) from the id's key to one int64: its
-row, or for an id waiting for a row its count and last step. Beside the first shard
-are each row's `[key, count, last step]` (last -1: a free row), a stack of free rows,
-the step counter and the totals of admissions and evictions. An admitted id's count and last
-step live in its row's record alone, so that the map is written only for ids without
-a row, and the eviction pass chooses among admitted ids without exporting the map,
-which it exports only when waiting ids may be forgotten.
+`MutableHashTable` per shard of the rows (under a HybridStrategy, on that shard's PS
+task), from an id's key to one int64: shard k maps the admitted ids whose rows it
+holds (rows k, k + S, k + 2S, ..., as a `ShardedTable` deals them) to their rows, and
+the first shard also maps each id waiting for a row to its count and last step. Beside
+the first shard are each row's `[key, count, last step]` (last -1: a free row), a stack
+of free rows, the step counter and the totals of admissions and evictions. An admitted
+id's count and last step live in its row's record alone, so that the maps are written
+only for ids without a row and ids given one, and the eviction pass chooses among
+admitted ids without exporting a map; it exports the first shard's only when waiting
+ids may be forgotten.
 
 A training step (`Remap.train`) sees the global batch's distinct ids and their counts
 once, in the cross-replica context, before any replica looks a row up:
@@ -28,8 +30,15 @@ once, in the cross-replica context, before any replica looks a row up:
    `max_waiting` ids wait for admission, it forgets the oldest of them, down to half.
 
 Every decision depends only on the multiset of the step's ids, never on how they
-were split over replicas, so N workers decide exactly what one device decides on
-the same global batch. Ids not admitted look up no row (row -1).
+were split over replicas or shards, so N workers decide exactly what one device
+decides on the same global batch. Ids not admitted look up no row (row -1).
+
+The step runs in three parts, so that each shard's finds and writes run on its own
+task (`dynamic_exchange.py` sends what crosses between them): `find` on every shard
+(an id's row may be on any of them), `decide` on the first, which takes every
+decision from the shards' finds and writes its own map, and `settle` on each other
+shard, which writes the rows given to its ids and forgets the ids evicted from its
+rows. `train` runs the three in one place.
 
 ```python
 import tensorflow as tf
@@ -40,9 +49,13 @@ print(remap.train(keys, counts, reset=lambda rows, keys: []).numpy())  # [ 0 -1]
 ```
 """
 
+import collections
+
 import numpy as np
 import tensorflow as tf
 
+# TF-private: the value of the attribute that keeps an If op a function call (`_rarely`).
+from tensorflow.core.framework import attr_value_pb2
 # TF-private: a variable created directly as a ResourceVariable bypasses the
 # distribution strategy's variable creator; the remap's bookkeeping lives on one
 # device and is written once per step, not mirrored.
@@ -85,10 +98,11 @@ def _top_bits(x, bits):
     return tf.bitcast(tf.bitwise.right_shift(x, tf.constant(64 - bits, tf.uint64)), tf.int64)
 
 
-def shard_of(keys, num_shards):
-    """Which of `num_shards` shards holds each key (a hash, so that ids with a common
-    stride still spread)."""
-    return tf.cast(_top_bits(_mix(keys), 31) % num_shards, tf.int32)
+def held_on(rows, shard, num_shards):
+    """Which of `rows` (-1: none) shard `shard` of `num_shards` holds (rows k::S)."""
+    if num_shards == 1:
+        return rows >= 0
+    return (rows >= 0) & tf.equal(rows % num_shards, shard)
 
 
 def initial_rows(keys, dim, initializer, seed, dtype):
@@ -134,9 +148,31 @@ def _exported(table):
     return tf.reshape(keys, [-1]), tf.reshape(values, [-1])
 
 
+def _rarely(pred, true_fn, false_fn):
+    """`tf.cond` of a branch a step takes rarely (an eviction pass): in a traced function,
+    one op that runs the branch taken, as a function of its own. TensorFlow otherwise
+    lowers a cond to the ops of both branches, and the step passes the dead ones through
+    the executor one by one, every time: about 270 ops of each table's step."""
+    out = tf.cond(pred, true_fn, false_fn)
+    if not tf.executing_eagerly():
+        op = tf.nest.flatten(out)[0].op
+        while op.type not in ("If", "StatelessIf"):  # through the outputs' identities
+            op = op.inputs[0].op
+        # TF-private: the attribute that tells TensorFlow to lower an If op
+        # (`control_flow_util_v2.maybe_set_lowering_attr`); tf.cond has no argument for it.
+        op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
+    return out
+
+
 def _variable(value, device, name):
     with tf.device(device):
         return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
+
+
+# A training step's decisions (`Remap.decide`): each distinct key's row (-1: none),
+# per shard after the first the keys evicted from its rows, and the rows admitted ids
+# were given, with their keys.
+Decision = collections.namedtuple("Decision", "rows evicted admitted_rows admitted_keys")
 
 
 class Remap(tf.__internal__.tracking.AutoTrackable):
@@ -159,6 +195,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def __init__(self, capacity, devices, min_count=1, policy="lru", max_age=None,
                  max_waiting=None, headroom=None, name="remap"):
+        self.name = name
         self.capacity = int(capacity)
         self.devices = tuple(devices)
         self.min_count = int(min_count)
@@ -189,44 +226,21 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     # Reads -----------------------------------------------------------------------
 
-    def _find(self, keys):
-        """The map value of each key, looked up on its shard."""
-        if len(self.shards) == 1:
-            with tf.device(self.devices[0]):
-                return tf.ensure_shape(self.shards[0].lookup(keys), [None])
-        shard = shard_of(keys, len(self.shards))
-        parts = tf.dynamic_partition(keys, shard, len(self.shards))
-        positions = tf.dynamic_partition(tf.range(tf.size(keys)), shard, len(self.shards))
-        found = []
-        for table, device, part in zip(self.shards, self.devices, parts):
-            with tf.device(device):
-                found.append(table.lookup(part))
-        return tf.ensure_shape(tf.dynamic_stitch(positions, found), [None])
+    def find(self, shard, keys):
+        """Shard `shard`'s map values of `keys`, found on its device: the rows it holds
+        (-1 for other keys) and, on the first shard, waiting ids' counts."""
+        with tf.device(self.devices[shard]):
+            return tf.ensure_shape(self.shards[shard].lookup(keys), [None])
 
-    def _on_shards(self, method, keys, *more):
-        """`table.<method>(its keys, its part of each of `more`)` on each shard, on its
-        device; returns the ops."""
-        if len(self.shards) == 1:
-            parts = [[keys, *more]]
-        else:
-            shard = shard_of(keys, len(self.shards))
-            split = [tf.dynamic_partition(t, shard, len(self.shards)) for t in (keys, *more)]
-            parts = list(zip(*split))
-        ops = []
-        for table, device, args in zip(self.shards, self.devices, parts):
-            with tf.device(device):
-                ops.append(getattr(table, method)(*args))
-        return ops
-
-    def _write(self, keys, values):
-        return self._on_shards("insert", keys, values)
-
-    def _erase(self, keys):
-        return self._on_shards("remove", keys)
+    def size(self, shard):
+        """The ids shard `shard`'s map holds, read on its device."""
+        with tf.device(self.devices[shard]):
+            return self.shards[shard].size()
 
     def lookup(self, keys):
         """Each key's row, or -1 for keys not admitted; changes nothing."""
-        return tf.maximum(self._find(keys), -1)
+        rows = [tf.maximum(self.find(k, keys), -1) for k in range(len(self.shards))]
+        return rows[0] if len(rows) == 1 else tf.reduce_max(tf.stack(rows), 0)
 
     def _state(self, values):
         """(row, count, last step) of ids whose map values are `values`: an admitted
@@ -254,7 +268,7 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
             return keys, tf.stack(self._state(values), 1)
 
     def rows_in_use(self):
-        """Rows held by admitted ids, per shard (ids are split over shards by hash)."""
+        """Rows held by admitted ids, per shard (each shard maps the ids of its rows)."""
         counts = []
         for table, device in zip(self.shards, self.devices):
             with tf.device(device):
@@ -266,22 +280,55 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def train(self, distinct, counts, reset):
         """One training step's admission and eviction for the global batch's keys:
-        `distinct` keys, each seen `counts` times (int64).
+        `distinct` keys, each seen `counts` times (int64), every part in one place.
 
         `reset(rows, keys)` resets those rows (and their slots) to each key's initial
         values and returns the ops the rows' lookups must wait for. Returns each
         distinct key's row after the step's decisions (-1: not admitted), computed
         once for all replicas.
         """
-        # Beside the first shard: the step's bookkeeping waits on the network only for
-        # the other shards' finds and writes. The keys cross to it once, before any op
-        # (a cond's branches among them) would take them from where they were made.
+        # The keys cross to the first shard once, before any op (a cond's branches among
+        # them) would take them from where they were made.
         with tf.device(self.devices[0]):
-            return self._train(tf.identity(distinct), tf.identity(counts), reset)
+            distinct, counts = tf.identity(distinct), tf.identity(counts)
+        found = [self.find(k, distinct) for k in range(len(self.shards))]
+        decision = self.decide(distinct, counts, found,
+                               [self.size(k) for k in range(1, len(self.shards))])
+        for k in range(1, len(self.shards)):
+            self.settle(k, distinct, found[k], decision.rows, decision.evicted[k - 1])
+        with tf.device(self.devices[0]), tf.control_dependencies(
+                reset(decision.admitted_rows, decision.admitted_keys)):
+            return tf.identity(decision.rows)
 
-    def _train(self, distinct, count, reset):
+    def decide(self, distinct, counts, found, sizes):
+        """Takes the step's decisions on the first shard's device, and writes its map.
+
+        `distinct`: the global batch's distinct keys, each seen `counts` times; `found`:
+        every shard's `find` of them; `sizes`: the other shards' map `size`s, read
+        before the step's writes. Returns a `Decision`.
+        """
+        with tf.device(self.devices[0]):
+            values = found[0]
+            if len(found) > 1:
+                elsewhere = tf.reduce_max(tf.stack(found[1:]), 0)
+                values = tf.where(elsewhere >= 0, elsewhere, values)
+            return self._decide(distinct, counts, values,
+                                tf.add_n([self.shards[0].size(), *sizes]))
+
+    def settle(self, shard, distinct, found, rows, evicted):
+        """The step's writes of shard `shard` (not the first), on its device, after
+        `decide`: maps the step's ids given one of its rows to their rows, and forgets
+        the `evicted` keys. `found`: its `find` of `distinct`; `rows`: the decision's.
+        Returns (the rows given, their keys)."""
+        with tf.device(self.devices[shard]):
+            given = tf.where((found < 0) & held_on(rows, shard, len(self.shards)))[:, 0]
+            rows, keys = tf.gather(rows, given), tf.gather(distinct, given)
+            self.shards[shard].remove(evicted)
+            self.shards[shard].insert(keys, rows)
+            return rows, keys
+
+    def _decide(self, distinct, count, values, entries):
         step = self.step.assign_add(1)
-        values = self._find(distinct)
         new_to_map = tf.reduce_sum(tf.cast(tf.equal(values, -1), tf.int64))
         row, count_before, _ = self._state(values)
         count = count_before + count
@@ -290,7 +337,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         wanting = tf.where((row < 0) & (count >= self.min_count))[:, 0]
         with tf.control_dependencies([seen]):
             shortfall = tf.size(wanting, out_type=tf.int64) - self.num_free.read_value()
-        kept = self._evict(step, shortfall, new_to_map, distinct, (row, count, step))
+        kept, evicted_keys, evicted_rows = self._evict(
+            step, shortfall, entries + new_to_map, distinct, (row, count, step))
         with tf.control_dependencies([kept]):
             num_free = self.num_free.read_value()
         # Rows go to waiting ids in ascending key order, so that who gets one, and which,
@@ -306,17 +354,23 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         self.num_free.assign_sub(num_admitted, read_value=False)
         self.admissions.assign_add(num_admitted, read_value=False)
         self._note_rows(new_rows, new_keys, tf.gather(count, admitted), step)
-        # One write of the step's ids without a row before it, their new rows among them
-        # (admitted ids' counts and steps are in their rows' records); ids the pass
-        # forgot stay out of the map unless admitted.
-        written = tf.where((kept & (row < 0)) | tf.scatter_nd(
-            admitted[:, None], tf.ones_like(admitted, tf.bool),
-            tf.shape(distinct, out_type=tf.int64)))[:, 0]
         row = tf.tensor_scatter_nd_update(row, admitted[:, None], new_rows)
-        self._write(tf.gather(distinct, written), _packed(
+        is_admitted = tf.scatter_nd(admitted[:, None], tf.ones_like(admitted, tf.bool),
+                                    tf.shape(distinct, out_type=tf.int64))
+        # One write of the first shard's map: the step's ids still waiting (ids the pass
+        # forgot stay out of it) and those given one of its rows; admitted ids' counts and
+        # steps are in their rows' records.
+        here = held_on(row, 0, len(self.shards))
+        written = tf.where((kept & (row < 0)) | (is_admitted & here))[:, 0]
+        self.shards[0].insert(tf.gather(distinct, written), _packed(
             tf.gather(row, written), tf.gather(count, written), step))
-        with tf.control_dependencies(reset(new_rows, new_keys)):
-            return tf.identity(row)
+        evicted = []
+        if len(self.shards) > 1:
+            # Ids given a row of another shard wait no more here.
+            self.shards[0].remove(tf.boolean_mask(distinct, is_admitted & ~here))
+            shard = tf.cast(evicted_rows % len(self.shards), tf.int32)
+            evicted = tf.dynamic_partition(evicted_keys, shard, len(self.shards))[1:]
+        return Decision(row, evicted, new_rows, new_keys)
 
     def _note_rows(self, rows, keys, counts, step):
         """Writes the records of `rows`; rows -1 land in the spare last record."""
@@ -324,22 +378,24 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         return self.rows.scatter_update(tf.IndexedSlices(
             tf.stack([keys, counts, tf.fill(tf.shape(keys), step)], 1), rows))
 
-    def _evict(self, step, shortfall, new_to_map, distinct, record):
+    def _evict(self, step, shortfall, entries, distinct, record):
         """The pass over the rows when rows run short, ids age or waiting ids outnumber
-        `max_waiting`. Returns which of the step's `distinct` ids stay in the map (all
-        but those forgotten while waiting). Waiting ids are only in the map: it is
-        exported, with the step's `record` of its ids ((rows, counts, this step), written
-        first), when some of them may go (they age, or are too many)."""
-        waiting = tf.reduce_sum([table.size() for table in self.shards]) + new_to_map - (
-            self.capacity - self.num_free.read_value())
+        `max_waiting` (`entries`: the ids the maps will hold before it). Returns which
+        of the step's `distinct` ids stay in the map (all but those forgotten while
+        waiting), and the keys and rows of the ids evicted from other shards' rows (the
+        first shard forgets its own). Waiting ids are only in the first shard's map: it
+        is exported, with the step's `record` of its ids ((rows, counts, this step),
+        written first), when some of them may go (they age, or are too many)."""
+        waiting = entries - (self.capacity - self.num_free.read_value())
         forget = waiting > self.max_waiting
         due = (shortfall > 0) | forget
         if self.max_age is not None:
             aging = tf.equal(step % (self.max_age // 4 + 1), 0)
             forget |= aging & (waiting > 0)
             due |= aging
-        return tf.cond(due, lambda: self._evict_now(step, shortfall, forget, distinct, record),
-                       lambda: tf.ones_like(distinct, tf.bool))
+        none = tf.zeros([0], tf.int64)
+        return _rarely(due, lambda: self._evict_now(step, shortfall, forget, distinct, record),
+                       lambda: (tf.ones_like(distinct, tf.bool), none, none))
 
     def _evict_now(self, step, shortfall, forget, distinct, record):
         rows = self.rows.read_value()[:self.capacity]
@@ -356,21 +412,28 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         freed = tf.where(gone)[:, 0]
         num_freed = tf.size(freed, out_type=tf.int64)
         num_free = self.num_free.read_value()
+        freed_keys = tf.gather(key, freed)
+        here = held_on(freed, 0, len(self.shards))
         ops = [self.free.scatter_update(tf.IndexedSlices(freed, num_free + tf.range(num_freed))),
                self.num_free.assign_add(num_freed, read_value=False),
                self.evictions.assign_add(num_freed, read_value=False),
                self.rows.scatter_update(tf.IndexedSlices(
-                   tf.fill(tf.stack([num_freed, 3]), np.int64(-1)), freed))]
-        ops += self._erase(tf.gather(key, freed))
+                   tf.fill(tf.stack([num_freed, 3]), np.int64(-1)), freed)),
+               self.shards[0].remove(tf.boolean_mask(freed_keys, here))]
         with tf.control_dependencies(ops):
-            return tf.cond(forget, lambda: self._forget_waiting(step, distinct, record),
+            kept = tf.cond(forget, lambda: self._forget_waiting(step, distinct, record),
                            lambda: tf.ones_like(distinct, tf.bool))
+        return kept, tf.boolean_mask(freed_keys, ~here), tf.boolean_mask(freed, ~here)
 
     def _forget_waiting(self, step, distinct, record):
         """Forgets waiting ids unseen for `max_age` steps, and the oldest when they
         outnumber `max_waiting`, down to half of it; returns which of `distinct` stay."""
-        with tf.control_dependencies(self._write(distinct, _packed(*record))):
-            keys, values = self._map_values()
+        waiting = record[0] < 0
+        home = self.shards[0]
+        with tf.control_dependencies([home.insert(tf.boolean_mask(distinct, waiting), _packed(
+                tf.boolean_mask(record[0], waiting), tf.boolean_mask(record[1], waiting),
+                record[2]))]):
+            keys, values = _exported(home)
         waiting = values < 0
         count, last = _waiting(values)
         gone = tf.zeros_like(waiting)
@@ -381,8 +444,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         excess *= tf.cast(tf.reduce_sum(tf.cast(waiting, tf.int64)) > self.max_waiting,
                           tf.int64)
         gone |= self._lowest(keys, waiting, last, count, excess)
-        with tf.control_dependencies(self._erase(tf.boolean_mask(keys, gone))):
-            return tf.not_equal(self._find(distinct), -1)
+        with tf.control_dependencies([home.remove(tf.boolean_mask(keys, gone))]):
+            return tf.not_equal(home.lookup(distinct), -1)
 
     @staticmethod
     def _lowest(keys, eligible, first, second, n):
@@ -443,9 +506,19 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                         f"{self.capacity}: restore it into a table of its capacity.")
             with tf.control_dependencies([fits]):
                 keys = tf.convert_to_tensor(snapshot["keys"], tf.int64)
-                with tf.control_dependencies(self._erase(self._map_values()[0])):
-                    writes = self._write(keys, _packed(values[:, _ROW], values[:, _COUNT],
-                                                       values[:, _LAST]))
+                packed = _packed(values[:, _ROW], values[:, _COUNT], values[:, _LAST])
+                # An admitted id's entry goes beside its row, a waiting id's to the first
+                # shard.
+                shard = tf.cast(tf.where(values[:, _ROW] >= 0,
+                                         values[:, _ROW] % len(self.shards), 0), tf.int32)
+                parts = zip(tf.dynamic_partition(keys, shard, len(self.shards)),
+                            tf.dynamic_partition(packed, shard, len(self.shards)))
+                writes = []
+                for table, device, (part_keys, part_values) in zip(self.shards, self.devices,
+                                                                   parts):
+                    with tf.device(device):
+                        with tf.control_dependencies([table.remove(_exported(table)[0])]):
+                            writes.append(table.insert(part_keys, part_values))
                 held = tf.where(values[:, _ROW] >= 0)[:, 0]
                 record = tf.stack([keys, values[:, _COUNT], values[:, _LAST]], 1)
                 writes.append(self.rows.assign(tf.tensor_scatter_nd_update(

@@ -79,8 +79,7 @@ _ROW_READ_HANDLERS = []
 _EXPORT_TRACING = threading.local()
 # The tables whose ids the Embedding layers being called on this thread have checked.
 _LAYER_CHECKED = threading.local()
-# (table, rows naming its gradient or None) of the tables looked up, on this thread, by
-# distinct rows in range (`distinct_rows_of`).
+# The tables looked up, on this thread, by distinct rows in range (`distinct_rows_of`).
 _DISTINCT_ROWS = threading.local()
 # {id(table): the rows standing in for it} while an optimizer's rule runs on this thread
 # (`rows_standing_in`): per thread, as asynchronous training's workers trace at once.
@@ -533,26 +532,24 @@ def lookup_many(requests, name=None, checked=False):
                 raise TypeError(
                     f"ids looked up in table {table.path} must be integers (int32 or "
                     f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-            listed = [rows for t, rows in getattr(_DISTINCT_ROWS, "tables", ()) if t is table]
-            if listed:
+            if _listed(_DISTINCT_ROWS, table):
                 unique_ids, positions = ids, None
             else:
                 unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
             if not (checked or _listed(_LAYER_CHECKED, table)):
                 unique_ids = _checked(unique_ids, table)
-            named = unique_ids if not listed or listed[-1] is None else listed[-1]
             if not for_export:
-                remember_gradient(named, table, distinct=True)
-            distinct.append((table, ids, unique_ids, positions, named))
+                remember_gradient(unique_ids, table, distinct=True)
+            distinct.append((table, ids, unique_ids, positions))
         with record.stop_recording():
-            rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _, _ in distinct],
+            rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
                                 for_export)
             outputs = [r if positions is None else tf.gather(r, positions)
-                       for r, (_, _, _, positions, _) in zip(rows, distinct)]
+                       for r, (_, _, _, positions) in zip(rows, distinct)]
         results = []
-        for out, (table, ids, _, positions, named) in zip(outputs, distinct):
+        for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
             if not for_export:  # a served function computes no gradient
-                record_gradient(table, out, _row_gradients(table, named, positions))
+                record_gradient(table, out, _row_gradients(table, unique_ids, positions))
             results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
         return results
 
@@ -585,6 +582,19 @@ def record_gradient(table, output, gradient):
                             lambda dy: [gradient(dy)])
 
 
+def rows_read(table, rows, unique_ids, shard=None, held=None):
+    """Records `rows` as `table`'s rows of `unique_ids` (distinct, in range), gathered on
+    its PS tasks by the caller (a dynamic table's exchange), as `lookup_many` records
+    its own: their gradient, and the ids `held` on each shard's PS task, split as
+    `shard` says (`ids_on_ps`), so that the gradient crosses without them. Returns
+    `rows`."""
+    remember_gradient(unique_ids, table, distinct=True)
+    if held is not None:
+        _note_ids_on_ps(unique_ids, shard, held)
+    record_gradient(table, rows, _row_gradients(table, unique_ids, None))
+    return rows
+
+
 @contextlib.contextmanager
 def _ids_checked_for(table):
     """Lookups of `table` in this block skip the id check: the layer has done it."""
@@ -593,21 +603,19 @@ def _ids_checked_for(table):
 
 
 @contextlib.contextmanager
-def distinct_rows_of(table, gradient_rows=None):
+def distinct_rows_of(table):
     """Lookups of `table` (a PS table or a variable) in this block are of distinct rows
     in range, as a DynamicEmbedding's map gives them: no unique and no check of their
-    own. `gradient_rows`: the same rows where the gradient is computed, to name the
-    gradient's rows instead of the rows looked up, which then need not cross there."""
-    with _listing(_DISTINCT_ROWS, (table, gradient_rows)), _listing(_LAYER_CHECKED, table):
+    own."""
+    with _listing(_DISTINCT_ROWS, table), _listing(_LAYER_CHECKED, table):
         yield
 
 
 @contextlib.contextmanager
-def _listing(local, entry):
-    """Adds `entry` (a table, or a tuple starting with one) to `local`'s list in this
-    block."""
+def _listing(local, table):
+    """Adds `table` to `local`'s list in this block."""
     outer = getattr(local, "tables", ())
-    local.tables = outer + (entry,)
+    local.tables = outer + (table,)
     try:
         yield
     finally:
