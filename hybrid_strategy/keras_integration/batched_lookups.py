@@ -41,6 +41,8 @@ from hybrid_strategy.tables import table as table_lib
 # {(id of an Embedding or DynamicEmbedding layer, id of its ids tensor): (ids tensor,
 # its output)} of the functional models running on this thread.
 _LOOKED_UP = threading.local()
+# Table layers that train their tables in their calls -> `train_together` of their kind.
+_TRAINED_TOGETHER = {}
 
 
 def install(applies):
@@ -107,7 +109,7 @@ def _look_up(function, inputs):
             ids = given.get(id(node.input_tensors[0])) if len(node.input_tensors) == 1 else None
             if ids is None:
                 continue
-            if training and _trains_dynamic(layer, node):
+            if training and _trains_together(layer, node):
                 dynamic.append((layer, ids))
             elif _takes_part(layer, keras):
                 fixed.append((layer, ids))
@@ -122,10 +124,14 @@ def _look_up(function, inputs):
         rows = table_lib.lookup_many(requests, checked=True)
         looked_up.update({(id(layer), id(ids)): (ids, tf.cast(r, layer.compute_dtype))
                           for (layer, ids), r in zip(fixed, rows)})
-    if len(dynamic) > 1:
-        outputs = _dynamic_embedding().train_together(dynamic)
-        looked_up.update({(id(layer), id(ids)): (ids, output)
-                          for (layer, ids), output in zip(dynamic, outputs)})
+    by_class = {}
+    for layer, ids in dynamic:
+        by_class.setdefault(_registered(layer), []).append((layer, ids))
+    for cls, calls in by_class.items():
+        if len(calls) > 1:
+            outputs = _TRAINED_TOGETHER[cls](calls)
+            looked_up.update({(id(layer), id(ids)): (ids, output)
+                              for (layer, ids), output in zip(calls, outputs)})
     return looked_up
 
 
@@ -138,20 +144,26 @@ def _training():
     return bool(context is not None and context.get_value("training"))
 
 
-def _trains_dynamic(layer, node):
-    """Whether `layer` is a DynamicEmbedding that the node calls as its model does (no
-    `training` argument of its own), which then trains its table, and which is called
-    nowhere else: a layer's calls train its table one after the other, each seeing
-    the decisions of the one before, in the model's order."""
-    return (isinstance(layer, _dynamic_embedding().DynamicEmbedding)
+def trained_together(layer_class, train_together):
+    """Registers `layer_class` (a table layer that trains its table in its call, such as
+    `DynamicEmbedding`) with `train_together([(layer, ids)]) -> [outputs]`, which trains
+    the tables of several such calls at once."""
+    _TRAINED_TOGETHER[layer_class] = train_together
+
+
+def _trains_together(layer, node):
+    """Whether `layer` is of a class registered with `trained_together`, called by the
+    node as its model is (no `training` argument of its own), which then trains its
+    table, and called nowhere else: a layer's calls train its table one after the other,
+    each seeing the decisions of the one before, in the model's order."""
+    return (_registered(layer) is not None
             and len(layer._inbound_nodes) == 1  # Keras-private: the layer's calls
             and "training" not in node.arguments.kwargs and not table_lib.exporting())
 
 
-def _dynamic_embedding():
-    # Imported when used: the layer's module imports this one.
-    from hybrid_strategy.layers import dynamic_embedding  # pylint: disable=import-outside-toplevel
-    return dynamic_embedding
+def _registered(layer):
+    """The class `layer` is an instance of that `trained_together` registered, or None."""
+    return next((cls for cls in _TRAINED_TOGETHER if isinstance(layer, cls)), None)
 
 
 def _takes_part(layer, keras):

@@ -129,11 +129,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             self.remap = dynamic.Remap(self.capacity, _remap_devices(self.embeddings),
                                        self.min_count, self.eviction, self.max_age,
                                        self.max_waiting, name=f"{self.name}_remap")
-        plan = getattr(tf.distribute.get_strategy(), "placement", None)
-        if plan is not None:
+        placer = getattr(tf.distribute.get_strategy().extended, "placer", None)
+        if placer is not None:  # a HybridStrategy lists the table in its placement
             stats = weakref.WeakMethod(self.table_stats)
-            plan.add_dynamic(_path_of(self.embeddings),
-                             lambda: None if stats() is None else stats()())
+            placer.add_dynamic(_path_of(self.embeddings),
+                               lambda: None if stats() is None else stats()())
         self.built = True
 
     def call(self, inputs, training=None):
@@ -418,3 +418,7 @@ def _remap_devices(embeddings):
         return rows.devices
     ps_devices = getattr(tf.distribute.get_strategy().extended, "ps_devices", None)
     return tuple(ps_devices) if ps_devices else ("/device:CPU:0",)
+
+
+# A functional model trains every DynamicEmbedding reading its inputs at once.
+batched_lookups.trained_together(DynamicEmbedding, train_together)
