@@ -26,7 +26,7 @@ import sys
 
 from benchmarks import cpu_groups
 from benchmarks import machine
-from benchmarks import report
+from benchmarks import run_tables
 from benchmarks import scaling
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -116,7 +116,7 @@ def markdown(runs):
             for c in run["contenders"]:
                 if c.get("status") != "ok":
                     lines.append(f"| {describe(run)} | {c['contender']} | "
-                                 f"{c.get('status')}: {report.md_escape(c.get('error', ''))} "
+                                 f"{c.get('status')}: {run_tables.md_escape(c.get('error', ''))} "
                                  "| | | | |")
                     continue
                 cpu = _jobs(c["per_task"], "cpu_ms_per_step")

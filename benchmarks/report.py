@@ -22,7 +22,9 @@ import sys
 from benchmarks import batches
 from benchmarks import contenders
 from benchmarks import cpu_groups
-from benchmarks import trace_summary
+from benchmarks import scaling
+from benchmarks.run_tables import (
+    ok_result, modified_files, machines_key, machines_label, machines_phrase, markdown, step_batch, per_worker_batch, DEFAULT_WINDOW)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPORTED = "reported"  # a targets row that is a figure shown beside them, not a target
@@ -30,227 +32,8 @@ ORDER = ("hybrid", "hybrid-bf16", "allreduce", "ps", "ps-async", "mwms", "pss", 
          "single")
 
 
-# Formatting -----------------------------------------------------------------------
-
-
-def fmt_bytes(value):
-    if value is None:
-        return "n/a"
-    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:,.2f} {unit}"
-    return f"{value:,.0f} B"
-
-
-def md_escape(text):
-    return str(text).replace("|", "\\|").replace("\n", " ")[:300]
-
-
-def _ok(run, contender):
-    return next((c for c in run["contenders"]
-                 if c["contender"] == contender and c.get("status") == "ok"), None)
-
-
-def _modified(run):
-    """Files that differed from the commit, results excluded (runs write those)."""
-    files = [f.split()[-1] for f in (run.get("code") or {}).get("modified_files", [])]
-    return [f for f in files if not f.startswith("benchmarks/results/")]
-
-
-def _loss_cell(c):
-    loss = (c.get("last_logs") or {}).get("loss")
-    if loss is None:
-        return ""
-    text = f"{loss:.3f}"
-    if c["contender"] == "mwms" and c.get("replicas_in_sync", 1) > 1:
-        text += f" (tf_keras logs it x{c['replicas_in_sync']} under MWMS)"
-    return text
-
-
-def _rss_cell(c):
-    per_task = c.get("per_task") or {}
-
-    def of(job):
-        values = [e["peak_rss_mib"] for e in per_task.values()
-                  if e["job"] == job and e.get("peak_rss_mib") is not None]
-        return " / ".join(f"{v:,.0f}" for v in values) if values else "-"
-
-    return f"{of('chief')} / {of('worker')} / {of('ps')}"
-
-
-def title(run):
-    cfg = run["config"]
-    repeats = cfg.get("repeats", 1)
-    return (f"{run['model']}: {cfg['workers']} workers + {cfg['ps']} ps, "
-            f"{batches.phrase(cfg)}, {cfg['warmup']} warm-up + {cfg['steps']} measured steps"
-            + (f", median of {repeats} runs" if repeats > 1 else "")
-            + f"{' (--quick)' if run.get('quick') else ''}"
-            + f"{', traced by the profiler (--profile)' if run.get('profiled') else ''}, "
-            + run["network"]["description"] + "; "
-            + cpu_groups.summary(run.get("machines"), (run.get("machine") or {}).get("nproc")))
-
-
-def _machines_key(run):
-    """A run's machines as a plot groups them; None where tasks share cores."""
-    return cpu_groups.machines_label(run.get("machines")) or None
-
-
-def _machines_label(run):
-    """", machines of 0.5 core" (", colocated"): what a target or plot names."""
-    m = run.get("machines")
-    return f", machines of {_machines_phrase(m)}" if m else ""
-
-
-def _machines_phrase(m):
-    """"0.5 core (10 ms period, worker i + ps i colocated)", "0.5 core, ps 1 core (10 ms
-    period)" of a run's machines."""
-    return (f"{m['cpus']:g} core"
-            + (f", ps {m['ps_cpus']:g} core" if m.get("ps_cpus") is not None else "")
-            + f" ({m['quota_period_ms']:g} ms period"
-            + {"host": ", host-sized thread pools",
-               "auto": ", servers' pools sized from their quota"}.get(
-                   m.get("thread_sizing"), "")
-            + (", worker i + ps i colocated)" if m["colocate"] else ")"))
-
-
-def markdown(run):
-    """The markdown tables of one run (one model, one cluster shape)."""
-    bound = run.get("lower_bound") or {}
-    single = _ok(run, "single")
-    unit = run["config"].get("unit", "examples")
-    lb = bound.get("sent_plus_received")
-    lines = [f"### {title(run)}", "",
-             f"| contender | Keras | batch per step | {unit}/s | vs single | median step ms | "
-             "worker bytes/step (sent+recv) | lower bound | measured / bound | "
-             "chief bytes/step | ps bytes/step | peak RSS MiB (chief / workers / ps) | "
-             "last loss logged |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for c in run["contenders"]:
-        if c.get("status") != "ok":
-            reason = c.get("error") or c.get("status")
-            lines.append(f"| {c['contender']} | {c.get('keras', '')} | {_batch_cell(run, c)} "
-                         f"| **failed**: {md_escape(reason)} | | | | | | | | | |")
-            continue
-        s = c.get("summary", {})
-        alone = c["contender"] == "single"
-        ratio = f"{c['units_per_s'] / single['units_per_s']:.2f}x" if single else "n/a"
-        step = f"{c['median_step_s'] * 1000:.1f}"
-        if c.get("median_step_is_mean"):
-            step += " (mean; async)"
-        vs = ""
-        if s.get("vs_lower_bound") is not None and not alone:
-            vs = f"{s['vs_lower_bound']:.2f}"
-            if s.get("vs_compressed_bound") is not None:
-                vs += f" ({s['vs_compressed_bound']:.2f} of the bound with bfloat16 rows)"
-            if not c.get("synchronous", True):
-                vs += " (async: a worker runs 1/W of the steps)"
-        throughput = f"{c['units_per_s']:,.0f}"
-        spread = [v for v in (c.get("repeats") or {}).get("units_per_s", []) if v]
-        if len(spread) > 1:
-            throughput += f" ({min(spread):,.0f}-{max(spread):,.0f}, {len(spread)} runs)"
-        lines.append(
-            f"| {c['contender']} | {c.get('keras')} | {_batch_cell(run, c)} | {throughput} | "
-            f"{ratio} | "
-            f"{step} | {'0' if alone else fmt_bytes(s.get('worker_bytes_per_step_mean'))} | "
-            f"{'' if alone else fmt_bytes(lb)} | {vs} | "
-            f"{'' if alone else fmt_bytes(s.get('chief_bytes_per_step_mean'))} | "
-            f"{'' if alone else fmt_bytes(s.get('ps_bytes_per_step_mean'))} | "
-            f"{_rss_cell(c)} | {_loss_cell(c)} |")
-    for note in run.get("not_run", []):
-        lines.append(f"| {note['contender']} | | | {note['reason']} | | | | | | | | | |")
-    lines += ["", bound_line(bound), ""]
-    lines += per_task_table(run)
-    lines += profile_sections(run)
-    return "\n".join(lines)
-
-
-def step_batch(run, c):
-    """Examples in one step of contender result `c` of `run` (files written before the
-    harness recorded it: the trainer's "global_batch", else the run's)."""
-    cfg = run["config"]
-    return (c.get("batch_per_step") or c.get("global_batch")
-            or batches.step_batch(c["contender"], cfg["workers"], cfg["global_batch"],
-                                  cfg.get("per_worker_batch")))
-
-
-def per_worker_batch(run, c):
-    """Examples one worker takes in a step of contender result `c` of `run`."""
-    return batches.per_worker(c["contender"], step_batch(run, c), run["config"]["workers"])
-
-
-def _batch_cell(run, c):
-    return batches.cell(c["contender"], step_batch(run, c), run["config"]["workers"])
-
-
-def bound_line(bound):
-    if not bound:
-        return "Lower bound: unavailable."
-    if bound.get("error"):
-        return f"Lower bound: failed ({md_escape(bound['error'])})."
-    tables = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in bound["tables"].items())
-    return (f"Lower bound per worker per step (benchmarks/lower_bound.py, "
-            f"{bound['worker_share']} examples per worker): dense all-reduce "
-            f"{fmt_bytes(bound['dense_per_direction'])} + rows "
-            f"{fmt_bytes(bound['sparse_per_direction'])} each way"
-            + (f" ({tables})" if tables else "")
-            + f", so {fmt_bytes(bound['sent_plus_received'])} sent + received"
-            + (f"; with rows in {bound['compressed']['rows_dtype']} (hybrid-bf16): rows "
-               f"{fmt_bytes(bound['compressed']['sparse_per_direction'])} each way, "
-               f"{fmt_bytes(bound['compressed']['sent_plus_received'])} sent + received."
-               if bound.get("compressed") else "."))
-
-
-def per_task_table(run):
-    lines = ["| contender | task | sent/step | received/step | TCP payload sent / received "
-             "| CPU ms/step | peak RSS MiB |", "|---|---|---:|---:|---:|---:|---:|"]
-    rows = 0
-    for c in run["contenders"]:
-        if c.get("status") != "ok":
-            continue
-        for name, e in c["per_task"].items():
-            rows += 1
-            tcp = (f"{fmt_bytes(e['tcp_payload_sent_per_step'])} / "
-                   f"{fmt_bytes(e['tcp_payload_received_per_step'])}"
-                   if "tcp_payload_sent_per_step" in e else "n/a")
-            lines.append(f"| {c['contender']} | {name} | "
-                         f"{fmt_bytes(e.get('wire_sent_per_step'))} | "
-                         f"{fmt_bytes(e.get('wire_received_per_step'))} | {tcp} | "
-                         f"{_cpu_cell(e)} | {e.get('peak_rss_mib') or 'n/a'} |")
-    return lines if rows else []
-
-
-def _cpu_cell(entry):
-    """CPU ms per step, and on machines of their own how often the quota stopped the task's
-    machine ("6.1, throttled in 40% of periods, 3.2 ms/step")."""
-    cpu = entry.get("cpu_ms_per_step")
-    if cpu is None:
-        return "n/a"
-    if "throttled_periods" not in entry:
-        return f"{cpu:.1f}"
-    return (f"{cpu:.1f} (throttled in {entry['throttled_periods']:.0%} of periods, "
-            f"{entry['throttled_ms_per_step']:.1f} ms/step)")
-
-
-def profile_sections(run):
-    """Per profiled contender: where its step's time goes (benchmarks/trace_summary.py)."""
-    lines = []
-    for c in run["contenders"]:
-        if c.get("status") == "ok" and c.get("profile", {}).get("error"):
-            lines += ["", f"No profile of {c['contender']}: {md_escape(c['profile']['error'])}"]
-        elif c.get("status") == "ok" and c.get("profile"):
-            traced = ("this process" if c["contender"] == "single" else
-                      "over gRPC: the chief, worker 0 and every ps")
-            lines += ["", f"Where a step's time goes, {c['contender']} (TensorFlow profiler; "
-                      f"traced {traced}; tracing slows the step):", "",
-                      trace_summary.markdown(c["profile"])]
-    return lines
-
-
-# Targets --------------------------------------------------------------------------------
-
-
 def _ratio(run, a, b):
-    x, y = _ok(run, a), _ok(run, b)
+    x, y = ok_result(run, a), ok_result(run, b)
     return x["units_per_s"] / y["units_per_s"] if x and y else None
 
 
@@ -272,7 +55,7 @@ def _is_target_cluster(run, ps, machines=None, workers=4):
 def _cpu_ratio(run, a, b):
     """CPU time of all of `a`'s tasks per example over `b`'s."""
     totals = []
-    for contender in (_ok(run, a), _ok(run, b)):
+    for contender in (ok_result(run, a), ok_result(run, b)):
         cpu = [e.get("cpu_ms_per_step") for e in (contender or {}).get("per_task", {}).values()]
         if not cpu or None in cpu:
             return None
@@ -308,13 +91,13 @@ def targets(runs):
         found = [r for r in runs if r["model"] == model and _is_target_cluster(r, ps, machines)
                  and not r.get("quick") and not r.get("profiled")
                  and not r["config"].get("per_worker_batch")
-                 and (versus is None or (_ok(r, "hybrid") and _ok(r, versus)))]
+                 and (versus is None or (ok_result(r, "hybrid") and ok_result(r, versus)))]
         return max(found, key=_measured_longest, default=None)
 
     def versus(model, unit, other, threshold, machines=None, where=""):
         """hybrid against `other` on 4 workers + 1 ps (`threshold` None: reported)."""
         run = headline(model, ps=1, machines=machines, versus=other)
-        label = (_machines_label(run) if run and machines
+        label = (machines_label(run) if run and machines
                  else where or ", machines of their own")
         add(f"{model}, 4 workers + 1 ps, 1 Gbit/s{label}: hybrid "
             + (f">= {threshold:g}x" if threshold else "against") + f" {other} {unit}",
@@ -334,7 +117,7 @@ def targets(runs):
                   if c["contender"] != "hybrid" and c.get("status") == "ok"]
         ratios = [_ratio(run, "hybrid", c) for c in others]
         add(f"{model}, 4 machines of a worker and a ps each (Parallax's layout), 1 Gbit/s"
-            + (_machines_label(run) if run else "") + f": hybrid ahead of every contender "
+            + (machines_label(run) if run else "") + f": hybrid ahead of every contender "
             f"({', '.join(others) or 'none run'}), the least ratio of {unit}",
             min(ratios) if ratios and None not in ratios else None, 1.0)
     for batch, efficiency in (scaling_efficiencies("lm") or {"": None}).items():
@@ -371,18 +154,18 @@ def targets(runs):
         "step with no model (the hybrid's transfers: rows and dense sum; "
         "benchmarks.step_floor) against one process training the model", floor, None)
     for run in runs:
-        hybrid = _ok(run, "hybrid")
+        hybrid = ok_result(run, "hybrid")
         value = (hybrid or {}).get("summary", {}).get("vs_lower_bound")
         if value is not None and run["network"]["mode"] == "netns" and not run.get("profiled"):
             add(f"{run['model']} {run['config']['workers']}w+{run['config']['ps']}ps"
-                f"{' (--quick)' if run.get('quick') else ''}{_machines_label(run)}: "
+                f"{' (--quick)' if run.get('quick') else ''}{machines_label(run)}: "
                 "hybrid worker bytes/step "
                 "<= 1.25x lower bound", value, 1.25, "{:.2f}x", lower_is_better=True)
     spike = [r for r in runs if r["model"] == "text" and r["network"]["mode"] == "loopback"
              and r["config"]["workers"] == 2 and not r.get("quick")
              and not r.get("profiled") and not r.get("machines")]
     spike = max(spike, key=_measured_longest, default=None)
-    spike_hybrid = _ok(spike, "hybrid") if spike else None
+    spike_hybrid = ok_result(spike, "hybrid") if spike else None
     add("Loopback, the design spike's model (text: 200k x 64 embedding, mean-pool, "
         "Dense 256, batch 256, SGD, 2 workers): hybrid > 12.5 steps/s (the spike)",
         spike_hybrid["examples_per_s"] / spike_hybrid["global_batch"]
@@ -421,7 +204,7 @@ def efficiency_between(runs, model, per_worker, small, large, cpus, contender="h
     examples per worker in each of `contender`'s steps; each the run measured longest;
     None unless both were measured."""
     def measures(run, workers, ps):
-        found = _ok(run, contender)
+        found = ok_result(run, contender)
         return (run["model"] == model and not run.get("quick") and not run.get("profiled")
                 and _is_target_cluster(run, ps, machines="own", workers=workers)
                 and run["machines"]["cpus"] == cpus
@@ -433,7 +216,7 @@ def efficiency_between(runs, model, per_worker, small, large, cpus, contender="h
         found = [r for r in runs if measures(r, workers, ps)]
         if not found:
             return None
-        throughput[workers] = _ok(max(found, key=_measured_longest), contender)["units_per_s"]
+        throughput[workers] = ok_result(max(found, key=_measured_longest), contender)["units_per_s"]
     return throughput[large[0]] / (large[0] / small[0] * throughput[small[0]])
 
 
@@ -441,7 +224,6 @@ def scaling_efficiencies(model, contender="hybrid", results_dir=None):
     """`{batch: efficiency}`: `contender`'s scaling efficiency from 1 to 8 workers on
     machines of their own for each batch fixed per worker ("32 per worker"), from
     benchmarks.scaling's runs; empty if none was measured."""
-    from benchmarks import scaling  # pylint: disable=import-outside-toplevel  # it imports us
     rows = []
     for path in glob.glob(os.path.join(results_dir or RESULTS_DIR, "scaling", "*.json")):
         if path.endswith(scaling.BEFORE_SUFFIX):
@@ -479,7 +261,6 @@ def load(results_dir):
 
 
 # benchmarks.run's default (warm-up, measured) steps.
-DEFAULT_WINDOW = (5, 30)
 
 
 def _group_key(run):
@@ -487,7 +268,7 @@ def _group_key(run):
     (one global batch, or one batch per worker: batches.label) and window."""
     net, cfg = run["network"], run["config"]
     return (run["model"], net["mode"], net.get("link_gbit"), batches.label(cfg),
-            cfg["warmup"], cfg["steps"], _machines_key(run))
+            cfg["warmup"], cfg["steps"], machines_key(run))
 
 
 def _slug(text):
@@ -532,7 +313,7 @@ def plot(runs, results_dir):
         network = (f"{link:g} Gbit/s links" if mode == "netns" and link else
                    "namespaces, no limit" if mode == "netns" else "loopback")
         ax.set_title(f"{model}: throughput vs workers ({network}, batch: {batch}"
-                     f"{_machines_label(group[0])})", fontsize=10)
+                     f"{machines_label(group[0])})", fontsize=10)
         workers = sorted({r["config"]["workers"] for r in group})
         ax.set_xticks(workers)
         ax.set_ylim(bottom=0)
@@ -610,13 +391,13 @@ def machines_section(runs, results_dir):
         cfg, m = run["config"], run["machines"]
         cells = []
         for name in MACHINE_CONTENDERS:
-            c = _ok(run, name)
+            c = ok_result(run, name)
             cells.append(f"{c['units_per_s']:,.0f}" if c else "-")
         ratios = [_ratio(run, "hybrid", other) for other in ("pss", "mwms")]
         lines.append(
             f"| {run['model']} ({cfg.get('unit', 'examples')}/s) | {cfg['workers']} workers "
             f"+ {cfg['ps']} ps, {_network_phrase(run)}, batch: {batches.label(cfg)} | "
-            f"{_machines_phrase(m)} | "
+            f"{machines_phrase(m)} | "
             + " | ".join(cells) + " | "
             + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratios)
             + f" | {cfg.get('repeats', 1)} |")
@@ -787,8 +568,8 @@ def readme(runs, images, results_dir=RESULTS_DIR):
                       f"Python {m['python']}; load average before: "
                       f"{m.get('loadavg_before', 0):.2f}",
                       f"- code: commit {(run.get('code') or {}).get('commit') or 'unknown'}"
-                      + (f", with local changes to {', '.join(_modified(run))}"
-                         if _modified(run) else ""),
+                      + (f", with local changes to {', '.join(modified_files(run))}"
+                         if modified_files(run) else ""),
                       f"- command: `{run['command']}`"
                       + (f"; {run['wall_seconds'] / 60:.1f} min in all"
                          if run.get("wall_seconds") else ""), ""]

@@ -84,7 +84,7 @@ from benchmarks import cpu_groups
 from benchmarks import horovod_contender
 from benchmarks import machine as machine_lib
 from benchmarks import netem
-from benchmarks import report
+from benchmarks import run_tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
@@ -750,9 +750,9 @@ def parse(argv):
                         "contenders (hybrid_strategy.server --cpu-devices)")
     parser.add_argument("--link-gbit", type=float, default=None,
                         help="rate limit of every emulated link, Gbit/s (namespaces only)")
-    parser.add_argument("--steps", type=int, default=report.DEFAULT_WINDOW[1],
+    parser.add_argument("--steps", type=int, default=run_tables.DEFAULT_WINDOW[1],
                         help="measured steps")
-    parser.add_argument("--warmup", type=int, default=report.DEFAULT_WINDOW[0],
+    parser.add_argument("--warmup", type=int, default=run_tables.DEFAULT_WINDOW[0],
                         help="warm-up steps (traced first)")
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="Keras compile(steps_per_execution=N): steps per call of the "
@@ -935,7 +935,7 @@ def run_model(options, model, mode, why, argv):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(run, f, indent=1)
-    print(report.markdown(run))
+    print(run_tables.markdown(run))
     print(f"\nresults: {os.path.relpath(path)}", flush=True)
     return run
 

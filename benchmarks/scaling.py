@@ -44,7 +44,7 @@ import sys
 from benchmarks import batches
 from benchmarks import cpu_groups
 from benchmarks import machine
-from benchmarks import report
+from benchmarks import run_tables
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS_DIR = os.path.join(RESULTS_DIR, "scaling")
@@ -282,7 +282,7 @@ def markdown(rows, images):
                 f"{_ms(r['coordinator_cpu_ms'])} | "
                 f"{', '.join(_ms(v) for v in r['worker_cpu_ms'])} | "
                 f"{', '.join(_ms(v) for v in r['ps_cpu_ms']) or '-'} | "
-                f"{report.fmt_bytes(r['worker_bytes'])} | {report.fmt_bytes(r['bound_bytes'])} | "
+                f"{run_tables.fmt_bytes(r['worker_bytes'])} | {run_tables.fmt_bytes(r['bound_bytes'])} | "
                 f"{'n/a' if ratio is None else f'{ratio:.2f}'} |")
             if r["command"] not in commands:
                 commands.append(r["command"])

@@ -11,6 +11,7 @@ import pytest
 from benchmarks import lower_bound
 from benchmarks import netem
 from benchmarks import report
+from benchmarks import run_tables
 
 pytestmark = pytest.mark.cluster
 
@@ -799,14 +800,14 @@ def test_report_says_each_contenders_batch_and_keeps_per_worker_runs_apart():
     per_worker = _batch_run(4, per_worker=128, hybrid=300.0)
     default = _batch_run(4, global_batch=512)  # the same global batch; pss's step 512
     # The table gives every contender's step, the title how the batches were sized.
-    table = report.markdown(dict(per_worker, lower_bound={}, machines=None))
+    table = run_tables.markdown(dict(per_worker, lower_bound={}, machines=None))
     assert "4 workers + 1 ps, 128 examples per worker per step (a synchronous global " \
         "batch of 512; an asynchronous or single step of 128)" in table
     assert "| contender | Keras | batch per step |" in table
     for cell in ("| hybrid | None | 512 (4 x 128) |", "| pss | None | 128 (one worker) |",
                  "| single | None | 128 |"):
         assert cell in table, cell
-    assert "| pss | None | 512 (one worker) |" in report.markdown(
+    assert "| pss | None | 512 (one worker) |" in run_tables.markdown(
         dict(default, lower_bound={}, machines=None))
     # Never one plot series, and the targets take the run of one global batch only.
     assert report._group_key(per_worker) != report._group_key(default)
@@ -871,7 +872,7 @@ def test_ps_machines_get_their_own_share_and_threads(tmp_path):
     assert cpu_groups.summary(machines).endswith(
         "TF threads: 1 intra-op, 2 inter-op), the ps tasks' machines of 1.5 core each "
         "(quota 15 ms; TF threads: 2 intra-op, 2 inter-op)")
-    assert report._machines_phrase(machines) == "0.4 core, ps 1.5 core (10 ms period)"
+    assert run_tables.machines_phrase(machines) == "0.4 core, ps 1.5 core (10 ms period)"
 
 
 def test_each_task_runs_in_a_group_of_its_machines_share(tmp_path, cpu_groups_here):
@@ -1043,7 +1044,7 @@ def test_without_horovods_venv_the_other_contenders_still_run(tmp_path, monkeypa
                                    "reason": horovod_contender.not_run_reason(failed)}]
         assert run["horovod_venv"]["error"] == failed["error"]
         assert "| horovod | | | not run: building Horovod's virtualenv failed: " \
-            "`pip install horovod` exited 1: error: no compiler |" in report.markdown(run)
+            "`pip install horovod` exited 1: error: no compiler |" in run_tables.markdown(run)
 
 
 def test_an_sdist_unlike_the_published_one_is_refused_unpatched(tmp_path):
