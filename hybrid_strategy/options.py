@@ -39,6 +39,7 @@ class StrategyOptions:
     task_timeout: float = 60.0
     asynchronous: bool = False
     dense_sum: str = "auto"
+    placement_plan: object = None
 
     @classmethod
     def from_kwargs(cls, kwargs):
@@ -75,7 +76,8 @@ class StrategyOptions:
         return placement_lib.PlacementPolicy(
             self.architecture, num_ps=num_ps, overrides=self.placement_overrides,
             min_shard_bytes=self.min_shard_bytes, table_shards=self.table_shards,
-            max_mirrored_bytes=self.max_mirrored_bytes, asynchronous=self.asynchronous)
+            max_mirrored_bytes=self.max_mirrored_bytes, asynchronous=self.asynchronous,
+            saved=self.placement_plan)
 
 
 def signature():

@@ -31,11 +31,14 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import numpy_dataset
 from tensorflow.python.distribute import values as values_lib
-# TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution).
+# TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution), and
+# the variables a mirrored copy of a PS table is made of.
 from tensorflow.python.ops import control_flow_util_v2
+from tensorflow.python.ops import resource_variable_ops
 
 from hybrid_strategy import options as options_lib
 from hybrid_strategy import tracing
@@ -46,6 +49,7 @@ from hybrid_strategy.cluster import data_service
 from hybrid_strategy.cluster import liveness
 from hybrid_strategy.communication import aggregation as communication
 from hybrid_strategy.communication import hierarchical_allreduce
+from hybrid_strategy.communication import riders
 from hybrid_strategy.communication import routing
 from hybrid_strategy.input import service_input
 from hybrid_strategy.input import worker_input
@@ -139,6 +143,10 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
             batches and applies its own updates, without waiting for the other
             workers, as Parallax's asynchronous PS training (asynchronous/training.py says
             what a step and the logs are then). Off by default.
+        placement_plan: A `PlacementPlan` a run ended with (`strategy.placement`), or
+            the path it was saved to (`strategy.placement.save(path)`): the variables
+            it records are placed as it says from the start (with the same shards on
+            the same PS tasks), so the moves of that run are not made again.
         dense_sum: Where the dense gradients of mirrored variables are summed
             across workers on a cluster: "auto" (default: on the first PS task, in
             the step's exchange with it, while the bytes it receives per step stay
@@ -174,8 +182,9 @@ class HybridStrategy(tf.distribute.MirroredStrategy):
 
     @property
     def placement(self):
-        """The `PlacementPlan` of every variable created so far (print it)."""
-        return self.extended.policy.plan
+        """The `PlacementPlan` of every variable created so far, and the moves made since
+        (print it; `.save(path)` it for `HybridStrategy(placement_plan=path)`)."""
+        return self.extended.placer.plan
 
     @property
     def gradient_types(self):
@@ -209,8 +218,6 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self.worker_scope = asynchronous_lib.WorkerScope() if options.asynchronous else None
         # One object: TF's batch reduction refuses values whose cross-device ops differ.
         self._worker_reduction = cross_device_ops_lib.ReductionToOneDevice()
-        self.sparse_update = options.sparse_update
-        self.wire_dtype = options.wire_dtype
         worker_devices, ps_devices = connection.devices(
             config, options.architecture, options.devices, options.connect_timeout)
         if config is not None and options.task_timeout is not None:
@@ -223,6 +230,11 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
             hosts.setdefault(communication.host_of(device), []).append(device)
         self._input_workers_devices = tuple(
             (host, tuple(replicas)) for host, replicas in hosts.items())
+        # What the executors are given instead of the strategy (placement/topology.py).
+        self.topology = topology_lib.Topology(
+            self._input_workers_devices, ps_devices, on_cluster=config is not None,
+            dense_sum=options.dense_sum, wire_dtype=options.wire_dtype,
+            sparse_update=options.sparse_update, asynchronous=options.asynchronous)
         self._host_input_device = numpy_dataset.SingleDevice(
             self._input_workers_devices[0][0])
         self._default_device = None
@@ -244,12 +256,12 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                 self._devices, self._collective_keys, self._communication_options,
                 hierarchical_allreduce.applies(self._devices, implementation))
             collective_hooks.fix_instance_keys(self._dense_all_reduce.launchers)
-        self._dense_sum = options.dense_sum
         self._cross_device_ops = self._collective_ops
         self._inferred_cross_device_ops = self._collective_ops
         self.experimental_enable_get_next_as_optional = True
         self._use_var_policy = False
-        self.placer = variables.Placer(self, self.policy)
+        self.placer = variables.Placer(self.policy, self.topology, self._container_strategy,
+                                       self._create_mirrored_unplaced)
         self.ps_aggregated = set()
         # graph calling `strategy.run` -> its replicas' batch sizes, while they are traced
         self._step_batch_sizes = weakref.WeakKeyDictionary()
@@ -269,11 +281,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     @property
     def ps_devices(self):
         """The PS tasks' devices (the local CPU when not on a cluster)."""
-        return tuple(self._ps_devices)
-
-    @property
-    def replicas_per_worker(self):
-        return max(len(replicas) for _, replicas in self._input_workers_devices)
+        return self.topology.ps_devices
 
     def _get_local_replica_id(self, replica_id_in_sync_group):
         worker = self.worker_scope.current() if self.worker_scope else None
@@ -346,7 +354,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     @property
     def input_hosts(self):
         """(input device, its replicas' devices) of every worker, in replica order."""
-        return self._input_workers_devices
+        return self.topology.input_hosts
 
     def _experimental_distribute_dataset(self, dataset, options):
         batches.check_dataset(dataset)
@@ -360,7 +368,8 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
                                   options))
         # Each worker builds only its own batches (input/worker_input.py).
         return worker_input.distribute_dataset(
-            self, dataset, options, self._tensorflow_distribute)
+            self.topology.input_hosts, dataset, options, self._tensorflow_distribute,
+            self._distribute_datasets_from_function)
 
     def _tensorflow_distribute(self, dataset, options):
         """TensorFlow's own distribution of `dataset`, read as worker_input.own_iterators says."""
@@ -404,6 +413,22 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         """`block(worker_scope)` when training asynchronously, else an empty block."""
         return block(self.worker_scope) if self.worker_scope else contextlib.nullcontext()
 
+    def replica_sum(self, value):
+        """`value` summed over the step's replicas, by an all-reduce the calling replica
+        launches itself (no `merge_call`: other replicas' threads do not run in between)."""
+        context = tf.distribute.get_replica_context()
+        # TF-private: one replica's all-reduce, as MirroredStrategy launches it under XLA.
+        return self._get_cross_device_ops(value)._all_reduce(  # pylint: disable=protected-access
+            tf.distribute.ReduceOp.SUM, value, context._replica_id,  # pylint: disable=protected-access
+            self._communication_options)
+
+    def _create_mirrored_unplaced(self, **kwargs):
+        """A mirrored variable made as MirroredStrategy makes one, with no placement of
+        its own: a PS table's copy once it moves to mirrored."""
+        # ResourceVariable made directly skips the variable creator stack (this one).
+        return super()._create_variable(
+            lambda **kw: resource_variable_ops.ResourceVariable(**kw), **kwargs)
+
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if not table_lib.is_table(colocate_with_variable):
             super()._validate_colocate_with_variable(colocate_with_variable)
@@ -419,9 +444,9 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     # Gradient aggregation ----------------------------------------------------
 
     def step_topology(self):
-        """The `StepTopology` of a step traced now (one worker's under an asynchronous step)."""
-        return topology_lib.StepTopology(self._devices, self._ps_devices, self._dense_sum,
-                                         on_cluster=self.cluster is not None)
+        """The `Topology` of a step traced now (one worker's under an asynchronous step)."""
+        worker = self.worker_scope.current() if self.worker_scope else None
+        return self.topology if worker is None else self.topology.of_worker(worker)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         reduced = routing.batch_reduce(self.step_topology(), reduce_op,
@@ -437,7 +462,10 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
     def _update(self, var, fn, args, kwargs, group):
         self.placer.note_gradient_type(var, args)
         if table_lib.is_table(var):
-            return updates.update_table(self, var, fn, args, kwargs, group)
+            result = updates.update_table(
+                self.step_topology(), var, fn, args, kwargs,
+                lambda value, device: riders.copy_on(value.ref(), device))
+            return distribute_utils.update_regroup(self, [result], group)
         if not isinstance(var, values_lib.DistributedVariable):
             return asynchronous_lib.update_shared(self, var, fn, args, kwargs, group)
         mirrored_reads.forget(var)

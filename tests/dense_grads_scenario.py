@@ -18,7 +18,9 @@ Works with Keras 3 and, under TF_USE_LEGACY_KERAS=1, with tf_keras. Prints JSON:
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dense_grads_scenario.py
 
 `--second-model` trains instead the decoder twice under one strategy, with SGD then
-with Adam (as a rerun or a search does), and reports each model's run.
+with Adam (as a rerun or a search does), and reports each model's run; `--saved-plan
+PATH` trains it twice under two strategies, the second given the placement plan the
+first ended with (saved to PATH).
 """
 
 import argparse
@@ -330,6 +332,31 @@ def second_model_case(make_hybrid):
     return out
 
 
+def saved_plan_case(make_hybrid, path):
+    """The decoder trained twice from the same weights, each run under a strategy of its
+    own: the second given the plan the first ended with, saved to `path`."""
+    x, y = make_data("lm")
+    keras.utils.set_random_seed(1)
+    weights = lm().get_weights()
+    out = {}
+    for run, options in (("first", {}), ("second", {"placement_plan": path})):
+        strategy = make_hybrid(**options)
+        model, _ = fit_model(strategy, "lm", weights, "sgd", x, y)
+        if run == "first":
+            strategy.placement.save(path)
+        out[run] = {
+            "weights": model.get_weights(),
+            "placement": {r.path: [str(r.placement), r.reason] for r in strategy.placement},
+            "revisions": [[r.path, str(r.before), str(r.after)]
+                          for r in strategy.placement.revisions],
+            "devices": scenario.variable_devices(model),
+        }
+    second = out.pop("second")
+    out["vs_first"] = errors(model, second.pop("weights"), out["first"].pop("weights"))
+    out["second"] = second
+    return out
+
+
 def report(make_hybrid, make_mirrored=None):
     return {name: case(make_hybrid, make_mirrored, *spec) for name, spec in CASES.items()}
 
@@ -345,6 +372,9 @@ def main(argv):
                         help="run only the mixed_float16 case (tf_keras, --local-replicas)")
     parser.add_argument("--second-model", action="store_true",
                         help="run only the decoder twice under one strategy")
+    parser.add_argument("--saved-plan", metavar="PATH",
+                        help="run only the decoder twice, the second run given the "
+                             "placement plan the first saved to PATH")
     args = parser.parse_args(argv)
     devices = scenario.local_cpu_replicas(args.local_replicas)
 
@@ -359,6 +389,8 @@ def main(argv):
         out = {"ctr/mixed_float16": mixed_precision_case(make_hybrid, make_mirrored)}
     elif args.second_model:
         out = second_model_case(make_hybrid)
+    elif args.saved_plan:
+        out = saved_plan_case(make_hybrid, args.saved_plan)
     else:
         out = report(make_hybrid, make_mirrored)
     json.dump(out, sys.stdout)

@@ -328,7 +328,9 @@ def case_readers(models, strategy, logs, directory):
         "in_memory": strategy.experimental_distribute_dataset(in_memory()),
         "function": strategy.distribute_datasets_from_function(
             lambda context: in_memory(context.get_per_replica_batch_size(BATCH))),
-        "arrays": array_input.distribute_arrays(strategy, (features, y), BATCH, False),
+        "arrays": array_input.distribute_arrays(
+            strategy.extended.input_hosts, strategy.distribute_datasets_from_function,
+            (features, y), BATCH, False),
         "options_given": strategy.experimental_distribute_dataset(
             in_memory(), tf.distribute.InputOptions(
                 experimental_fetch_to_device=True)),

@@ -18,6 +18,7 @@ the second model's table is a new variable of the same path, checked afresh.
 
 import functools
 import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -70,6 +71,10 @@ def second_model_report(key):
 
 RUNS = Runs({**{shape: functools.partial(shape_report, shape) for shape in SHAPES},
              **{key: functools.partial(second_model_report, key) for key in SECOND_MODEL},
+             "saved_plan": lambda: json_report(
+                 [SCRIPT, "--local-replicas", "2", "--saved-plan",
+                  os.path.join(tempfile.mkdtemp(prefix="saved_plan_"), "plan.json")],
+                 "dense_grads_scenario with a saved placement plan", timeout=1800),
              "mixed_precision": functools.partial(
                  json_report, [SCRIPT, "--local-replicas", "2", "--mixed-precision"],
                  "dense_grads_scenario in mixed_float16", "tf_keras", timeout=1800)})
@@ -206,6 +211,20 @@ def test_a_second_model_under_the_same_strategy_moves_its_own_tied_table(second_
         # Adam's slots of the second table moved with it; the position table's stayed.
         slots = result["adam"]["slots_on_ps"]
         assert slots and all("position" in slot for slot in slots)
+
+
+def test_a_saved_plan_places_the_tied_table_at_once_and_trains_as_the_first_run(request):
+    result = RUNS.result("saved_plan", request)
+    first, second = result["first"], result["second"]
+    # The first run moved the tied table after its first step; the second one, given
+    # the plan it ended with, created it mirrored and moved nothing.
+    assert first["revisions"] == [["token/embeddings", "ps (local CPU)", "mirrored"]]
+    assert second["revisions"] == []
+    assert second["placement"]["token/embeddings"] == ["mirrored", f"saved plan: {MOVED}"]
+    assert second["devices"] == first["devices"]
+    errors = result["vs_first"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{worst} differs from the first run by {errors[worst]:.2e}"
 
 
 # In-process checks, on this process's single device ------------------------------

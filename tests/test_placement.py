@@ -1,5 +1,7 @@
 """Placement rules, without TensorFlow."""
 
+import dataclasses
+
 import pytest
 
 from hybrid_strategy.placement import plan as placement
@@ -240,3 +242,59 @@ def test_a_newer_variable_of_a_path_keeps_its_record_when_an_older_one_moves():
     assert policy.move_to_ps(bag, "read by row") is None
     policy.decide(bag)
     assert policy.move_to_ps(bag, "read by row").kind == "ps"
+
+
+def test_a_move_is_a_revision_of_an_immutable_plan():
+    policy = placement.PlacementPolicy("hybrid", num_ps=2, min_shard_bytes=100)
+    bag = info("bag/table", (100, 4))
+    policy.decide(bag)
+    before = policy.plan
+    moved = policy.move_to_ps(bag, "read by row")
+    # The plan taken before the move still says what was decided then.
+    assert before["bag/table"].placement.kind == "mirrored" and before.revisions == ()
+    (revision,) = policy.plan.revisions
+    assert (revision.path, revision.before.kind, revision.after, revision.reason) == (
+        "bag/table", "mirrored", moved, "read by row")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.plan.records = ()
+
+
+def test_a_saved_plan_places_its_variables_as_it_says_and_pins_them(tmp_path):
+    policy = placement.PlacementPolicy("hybrid", num_ps=3, min_shard_bytes=100)
+    policy.decide(info("big/embeddings", (300, 4), EMBEDDING))
+    policy.decide(info("tied/embeddings", (100, 4), EMBEDDING))
+    policy.move_to_mirrored("tied/embeddings", "dense gradient")
+    path = tmp_path / "plan.json"
+    policy.plan.save(path)
+    loaded = placement.PlacementPlan.load(path)
+    assert loaded == policy.plan
+    reused = placement.PlacementPolicy("hybrid", num_ps=3, min_shard_bytes=100,
+                                       saved=str(path))
+    assert (reused.decide(info("big/embeddings", (300, 4), EMBEDDING))
+            == policy.plan["big/embeddings"].placement)
+    tied = info("tied/embeddings", (100, 4), EMBEDDING)
+    assert reused.decide(tied).kind == "mirrored"
+    assert reused.plan["tied/embeddings"].reason == "saved plan: dense gradient"
+    # Pinned: no move either way.
+    assert reused.move_to_ps(tied, "read by row") is None
+    assert reused.stays_on_ps("big/embeddings", 1) == (
+        "the placement_plan given to the strategy places it there")
+    assert reused.plan.revisions == ()
+    # A variable the plan does not name is decided by the rules.
+    assert reused.decide(info("new/embeddings", (100, 4), EMBEDDING)).kind == "ps"
+
+
+def test_a_saved_plan_that_does_not_fit_is_refused_with_what_to_do(tmp_path):
+    policy = placement.PlacementPolicy("hybrid", num_ps=3, min_shard_bytes=100)
+    policy.decide(info("big/embeddings", (300, 4), EMBEDDING))
+    with pytest.raises(ValueError, match=r"on ps task 2, but the strategy has 2 PS task"):
+        placement.PlacementPolicy("hybrid", num_ps=2, saved=policy.plan)
+    reused = placement.PlacementPolicy("hybrid", num_ps=3, saved=policy.plan)
+    with pytest.raises(ValueError, match=r"shape 300x4, but the model's has shape 200x4: "
+                                         r"save the plan of this model again"):
+        reused.decide(info("big/embeddings", (200, 4), EMBEDDING))
+    with pytest.raises(TypeError, match="placement_plan must be a PlacementPlan"):
+        placement.PlacementPolicy("hybrid", num_ps=3, saved={"big/embeddings": "ps"})
+    (tmp_path / "other.json").write_text('{"layers": []}')
+    with pytest.raises(ValueError, match="not a saved placement plan"):
+        placement.PlacementPolicy("hybrid", num_ps=3, saved=tmp_path / "other.json")

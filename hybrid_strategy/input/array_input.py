@@ -13,7 +13,9 @@ shuffles its own rows at every epoch (one shuffle per worker, not one global shu
 and `shuffle="batch"` shuffles within each worker's block of a batch.
 
 ```python
-dataset = distribute_arrays(strategy, (x, y), batch_size=64, shuffle=True)
+dataset = distribute_arrays(strategy.extended.input_hosts,
+                            strategy.distribute_datasets_from_function, (x, y),
+                            batch_size=64, shuffle=True)
 model.fit(dataset, epochs=3)       # what Keras does with fit(x, y, batch_size=64)
 ```
 """
@@ -41,12 +43,14 @@ def supported(arrays):
     return all(dense(leaf) for leaf in tf.nest.flatten(arrays))
 
 
-def distribute_arrays(strategy, arrays, batch_size, shuffle, passes=1, transform=None,
-                      floatx="float32"):
+def distribute_arrays(hosts, distribute_from_function, arrays, batch_size, shuffle, passes=1,
+                      transform=None, floatx="float32"):
     """A distributed dataset of `arrays`' rows in global batches of `batch_size`.
 
     Args:
-        strategy: A HybridStrategy whose replicas span workers.
+        hosts: `(input device, its replicas' devices)` of every worker of a
+            HybridStrategy whose replicas span workers.
+        distribute_from_function: The strategy's `distribute_datasets_from_function`.
         arrays: A structure of arrays (numpy, tensors; None leaves stay None) with the
             same number of rows: Keras' (x, y, sample_weight).
         batch_size: The global batch size.
@@ -62,7 +66,6 @@ def distribute_arrays(strategy, arrays, batch_size, shuffle, passes=1, transform
         raise ValueError(f"HybridStrategy: the arrays have different numbers of rows "
                          f"({sorted(rows)}); give every array one row per example.")
     num_rows = rows.pop()
-    hosts = strategy.extended.input_hosts
     replicas = len(hosts[0][1])
     worker_batches = input_plan.worker_batch_sizes(batch_size, len(hosts), replicas)
 
@@ -80,8 +83,7 @@ def distribute_arrays(strategy, arrays, batch_size, shuffle, passes=1, transform
         return worker_input.split_over_replicas(dataset, replicas).prefetch(
             tf.data.AUTOTUNE)
 
-    return strategy.extended._distribute_datasets_from_function(  # pylint: disable=protected-access
-        worker_dataset, None)
+    return distribute_from_function(worker_dataset)
 
 
 def _as_numpy(leaf):

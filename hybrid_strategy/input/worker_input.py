@@ -49,19 +49,20 @@ def show_once(message):
         warnings.warn(message, InputShardingWarning, stacklevel=3)
 
 
-def distribute_dataset(extended, dataset, options, tensorflow_distribute):
-    """`dataset` distributed over the workers of `extended` (a HybridExtended).
+def distribute_dataset(hosts, dataset, options, tensorflow_distribute, from_function):
+    """`dataset` distributed over the workers of `hosts`.
 
     Args:
-        extended: The strategy's extended object.
+        hosts: `(input device, its replicas' devices)` of every worker.
         dataset: A batched `tf.data.Dataset` (global batches).
         options: The `tf.distribute.InputOptions` given, or None.
         tensorflow_distribute: `tensorflow_distribute(dataset, options)`, TensorFlow's
             own distribution of a dataset.
+        from_function: `from_function(dataset_fn, options)`, the strategy's
+            distribution of each worker's dataset made by `dataset_fn(InputContext)`.
     Raises:
         input_plan.ShardingError: The auto_shard_policy FILE cannot be honoured.
     """
-    hosts = extended.input_hosts
     replicas = {len(devices) for _, devices in hosts}
     per_replica = options is not None and (options.experimental_replication_mode
                                            == tf.distribute.InputReplicationMode.PER_REPLICA)
@@ -72,8 +73,7 @@ def distribute_dataset(extended, dataset, options, tensorflow_distribute):
         if decided.tf_policy != dataset.options().experimental_distribute.auto_shard_policy.name:
             dataset = dataset.with_options(_policy_options(decided.tf_policy))
         return tensorflow_distribute(dataset, options)
-    return extended._distribute_datasets_from_function(  # pylint: disable=protected-access
-        lambda context: worker_dataset(context.input_pipeline_id), options)
+    return from_function(lambda context: worker_dataset(context.input_pipeline_id), options)
 
 
 def own_iterators(hosts, options):

@@ -87,7 +87,7 @@ def _train_asynchronously(make_train, asynchronous_scope, train_function):
 
 
 def _num_workers(model):
-    return len(model.distribute_strategy.extended._input_workers_devices)  # pylint: disable=protected-access
+    return len(model.distribute_strategy.extended.input_hosts)
 
 
 def _wait_before(make, name, asynchronous_scope):

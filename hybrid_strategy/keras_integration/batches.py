@@ -113,12 +113,7 @@ def _global_sum(value):
     replicas' threads would run in between, and Keras keeps the losses layers add
     (activity regularizers) in the layer objects, for one thread at a time.
     """
-    context = tf.distribute.get_replica_context()
-    extended = context.strategy.extended
-    # TF-private: one replica's all-reduce, as MirroredStrategy launches it under XLA.
-    return extended._get_cross_device_ops(value)._all_reduce(  # pylint: disable=protected-access
-        tf.distribute.ReduceOp.SUM, tf.stop_gradient(value),
-        context._replica_id, extended._communication_options)  # pylint: disable=protected-access
+    return tf.distribute.get_strategy().extended.replica_sum(tf.stop_gradient(value))
 
 
 def _scale(original):

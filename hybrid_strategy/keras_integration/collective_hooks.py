@@ -7,8 +7,12 @@ fixed at trace time agree as well, and none crosses the network. Only the
 strategy's own launchers change; TensorFlow's other strategies keep theirs.
 
 ```python
+from tensorflow.python.distribute import collective_util, cross_device_utils
 from hybrid_strategy.keras_integration import collective_hooks
-collective_hooks.fix_instance_keys(strategy.extended._collective_ops._launchers)
+keys = cross_device_utils.CollectiveKeys()
+launcher = cross_device_utils.CollectiveReplicaLauncher(
+    keys.get_group_key(["/cpu:0"]), 1, keys, "/cpu:0", collective_util.Options())
+collective_hooks.fix_instance_keys([launcher])   # what HybridStrategy() does to its own
 ```
 """
 

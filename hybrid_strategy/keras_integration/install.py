@@ -61,8 +61,8 @@ class Gates:
     def pushes(self, strategy):
         return self.is_hybrid(strategy) and strategy.extended.pushes
 
-    def extended(self, strategy):
-        return strategy.extended if self.is_hybrid(strategy) else None
+    def placer(self, strategy):
+        return strategy.extended.placer if self.is_hybrid(strategy) else None
 
     def asynchronous_scope(self, strategy):
         """The `WorkerScope` of a HybridStrategy that trains asynchronously, else None."""
@@ -88,7 +88,7 @@ def install_all(strategy_class, connected):
     gates = Gates(strategy_class)
     table_hooks.install()
     table_lib.on_row_read(gates.move_to_ps_on_row_read)
-    mirroring_hooks.install(gates.extended)
+    mirroring_hooks.install(gates.placer)
     layer_hooks.install()
     checkpoint_hooks.install()
     multi_step.install(gates.spans_devices)

@@ -113,7 +113,8 @@ def _install_keras3(applies):
                 import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
                 # As Keras does: tf.data would stack a list of arrays (outputs' targets).
                 return array_input.distribute_arrays(
-                    strategy, keras.tree.lists_to_tuples(self._inputs), self._batch_size,
+                    strategy.extended.input_hosts, strategy.distribute_datasets_from_function,
+                    keras.tree.lists_to_tuples(self._inputs), self._batch_size,
                     self._shuffle, floatx=keras.backend.floatx())
             return get_tf_dataset(self)
         return tf_dataset_of_shares
@@ -145,7 +146,8 @@ def _install_tf_keras(applies):
             # dataset of the whole arrays, left undistributed, gives way to the shares.
             configure(self, strategy, x, steps_per_epoch, class_weight, False)
             self._dataset = array_input.distribute_arrays(
-                strategy, inputs, self._adapter.batch_size(), self._adapter._shuffle,
+                strategy.extended.input_hosts, strategy.distribute_datasets_from_function,
+                inputs, self._adapter.batch_size(), self._adapter._shuffle,
                 passes=self._epochs - self._initial_epoch,
                 transform=(data_adapter._make_class_weight_map_fn(class_weight)
                            if class_weight else None),

@@ -5,7 +5,7 @@ function Keras makes, once per function made.
 
 ```python
 import hybrid_strategy
-hybrid_strategy.HybridStrategy()   # calls mirroring_hooks.install(gates.extended)
+hybrid_strategy.HybridStrategy()   # calls mirroring_hooks.install(gates.placer)
 ```
 """
 
@@ -13,12 +13,12 @@ from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.placement import mirroring
 
 
-def install(extended_of):
+def install(placer_of):
     """Makes Keras 3's training function move tables after its first call.
 
     Args:
-        extended_of: `extended_of(strategy)` is the strategy's `HybridExtended`, or
-            None for any other strategy (nothing changes then).
+        placer_of: `placer_of(strategy)` is a HybridStrategy's `Placer`, or None for
+            any other strategy (nothing changes then).
     """
 
     # Keras-private: the TensorFlow trainer's `make_train_function` sets
@@ -27,10 +27,10 @@ def install(extended_of):
         def make_train_function(self, force=False):
             made = force or self.train_function is None
             result = original(self, force=force)
-            extended = extended_of(self.distribute_strategy)
-            if made and extended is not None:
+            placer = placer_of(self.distribute_strategy)
+            if made and placer is not None:
                 self.train_function = mirroring.moving_after_first_call(
-                    self, self.train_function, extended)
+                    self, self.train_function, placer)
             return result
 
         return make_train_function

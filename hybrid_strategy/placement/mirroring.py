@@ -8,7 +8,7 @@ all-reduced). The gradient's type is known only once the step is traced, after t
 table's reads were traced into it, so Keras 3's training function
 (`moving_after_first_call`, which keras_integration/mirroring_hooks.py puts around
 it) runs its first call as traced, then asks the strategy to move such tables
-(`HybridExtended.mirror_dense_tables`: values and optimizer slots, the Keras
+(`Placer.mirror_dense_tables`: values and optimizer slots, the Keras
 variables wrap mirrored variables from then on) and, if any moved, makes its
 training, evaluation and prediction functions again, which trace the mirrored
 variables. The first step is correct either way: a PS table's dense gradient is
@@ -41,12 +41,8 @@ with strategy.scope():
 ```
 """
 
-# TF-private: the variable creator of MirroredStrategy (the mirrored copy is made
-# as any mirrored variable is) and the MirroredVariable class it makes.
-from tensorflow.python.distribute import mirrored_strategy
+# TF-private: the MirroredVariable class MirroredStrategy's variable creator makes.
 from tensorflow.python.distribute import values as values_lib
-# TF-private: ResourceVariable made directly skips the variable creator stack.
-from tensorflow.python.ops import resource_variable_ops
 
 
 class MirroredTable(values_lib.MirroredVariable):
@@ -65,36 +61,36 @@ class MirroredTable(values_lib.MirroredVariable):
         return self._replaced_id
 
 
-def mirrored_copy(extended, table, replaced_id=None):
-    """A mirrored variable on every replica holding `table`'s current value.
+def mirrored_copy(create_mirrored, table, replaced_id=None):
+    """A mirrored variable on every replica holding `table`'s current value, made by
+    `create_mirrored(**kwargs)` (the strategy's, without placement).
 
     The first replica's copy reads the shards from their PS (the chief does not
     hold the table); the others copy it. With `replaced_id`, the copy answers to
     that `_unique_id`. Call it eagerly (under `tf.init_scope()`).
     """
-    mirrored = mirrored_strategy.MirroredExtended._create_variable(
-        extended, lambda **kwargs: resource_variable_ops.ResourceVariable(**kwargs),
+    mirrored = create_mirrored(
         initial_value=table.read_value, dtype=table.dtype, trainable=table.trainable,
         name=table.path.rsplit("/", 1)[-1], aggregation=table.aggregation,
         synchronization=table.synchronization)
     return mirrored if replaced_id is None else MirroredTable(mirrored, replaced_id)
 
 
-def moving_after_first_call(model, function, extended):
-    """`function`, whose first call is followed by the strategy's moves, if any.
+def moving_after_first_call(model, function, placer):
+    """`function`, whose first call is followed by the placer's moves, if any.
 
     Args:
         model: The Keras 3 model whose training function `function` is.
         function: `model.train_function`, as Keras made it.
-        extended: The model's strategy's `HybridExtended`.
+        placer: The model's strategy's `Placer` (placement/variables.py).
     """
 
     def first_call(data):
         try:
-            with extended.placer.mirroring_after_step():
+            with placer.mirroring_after_step():
                 return function(data)
         finally:
-            if extended.placer.mirror_dense_tables():
+            if placer.mirror_dense_tables():
                 # Every function traced so far reads the tables' old variables.
                 model.test_function = model.predict_function = None
                 model.make_train_function(force=True)

@@ -15,6 +15,7 @@ print(policy.plan)
 
 import dataclasses
 import fnmatch
+import json
 import math
 
 ARCHITECTURES = ("hybrid", "allreduce", "ps")
@@ -126,37 +127,75 @@ class PlacementRecord:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Revision:
+    """A move of one variable after its creation, as the `Placer` applied it."""
+
+    path: str
+    before: Placement
+    after: Placement
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PlacementPlan:
-    """The decisions made so far, in creation order; `str(plan)` is a table."""
+    """The decisions made so far, in creation order, and the moves since: a value.
 
-    def __init__(self):
-        self._records = {}
-        self._dynamic = {}
+    `str(plan)` is a table; `plan.save(path)` writes it as JSON, and
+    `HybridStrategy(placement_plan=path)` (or the plan itself) places the variables of
+    the next run as it says, with none of the moves (`revisions`) made again.
 
-    def add(self, record):
-        self._records[record.path] = record
+    ```python
+    from hybrid_strategy.placement.plan import PlacementPlan, PlacementPolicy, VariableInfo
+    policy = PlacementPolicy("hybrid", num_ps=2)
+    policy.decide(VariableInfo("emb/embeddings", (50_000, 64), 4, ("Embedding",)))
+    policy.plan.save("/tmp/plan.json")
+    print(PlacementPlan.load("/tmp/plan.json")["emb/embeddings"].placement)
+    ```
+    """
 
-    def add_dynamic(self, path, stats):
-        """Lists the DynamicEmbedding whose rows are `path`; `stats()` gives its figures
-        (`DynamicEmbedding.table_stats`), or None once the layer is gone."""
-        self._dynamic[path] = stats
+    records: tuple = ()
+    revisions: tuple = ()
+    # (rows' path, stats()) of the DynamicEmbedding tables listed: shown, not saved.
+    dynamic: tuple = dataclasses.field(default=(), compare=False)
+
+    def with_record(self, record):
+        """This plan with `record` decided (replacing its path's earlier record)."""
+        return dataclasses.replace(self, records=tuple(
+            r for r in self.records if r.path != record.path) + (record,))
+
+    def revised(self, path, placement, reason):
+        """This plan with `path` moved to `placement`, the move kept in `revisions`."""
+        record = self[path]
+        return dataclasses.replace(
+            self.with_record(dataclasses.replace(record, placement=placement, reason=reason)),
+            revisions=self.revisions + (Revision(path, record.placement, placement, reason),))
+
+    def with_dynamic(self, path, stats):
+        """This plan listing the DynamicEmbedding whose rows are `path`; `stats()` gives
+        its figures (`DynamicEmbedding.table_stats`), or None once the layer is gone."""
+        return dataclasses.replace(self, dynamic=tuple(
+            (p, f) for p, f in self.dynamic if p != path) + ((path, stats),))
 
     def dynamic_tables(self):
         """{rows' path: figures} of the DynamicEmbedding tables alive."""
-        return {path: figures for path, stats in self._dynamic.items()
+        return {path: figures for path, stats in self.dynamic
                 if (figures := stats()) is not None}
 
     def __getitem__(self, path):
-        return self._records[path]
+        for record in self.records:
+            if record.path == path:
+                return record
+        raise KeyError(path)
 
     def __contains__(self, path):
-        return path in self._records
+        return any(record.path == path for record in self.records)
 
     def __iter__(self):
-        return iter(self._records.values())
+        return iter(self.records)
 
     def __len__(self):
-        return len(self._records)
+        return len(self.records)
 
     def bytes_per_ps_task(self, num_ps):
         totals = [0] * num_ps
@@ -166,6 +205,38 @@ class PlacementPlan:
                 if shard.task is not None:
                     totals[shard.task] += shard.rows * row_bytes
         return totals
+
+    def to_json(self):
+        """The plan's records and revisions as JSON-ready dicts (`from_json` reads them)."""
+        return {"records": [dataclasses.asdict(r) for r in self.records],
+                "revisions": [dataclasses.asdict(r) for r in self.revisions]}
+
+    @classmethod
+    def from_json(cls, data):
+        def placement(d):
+            return Placement(d["kind"], tuple(Shard(**shard) for shard in d["shards"]))
+        try:
+            records = tuple(PlacementRecord(r["path"], tuple(r["shape"]), r["nbytes"],
+                                            placement(r["placement"]), r["reason"])
+                            for r in data["records"])
+            revisions = tuple(Revision(r["path"], placement(r["before"]),
+                                       placement(r["after"]), r["reason"])
+                              for r in data.get("revisions", ()))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a saved placement plan ({type(error).__name__}: "
+                             f"{error}): save one with strategy.placement.save(path).") from None
+        return cls(records, revisions)
+
+    def save(self, path):
+        """Writes the plan to `path` as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path):
+        """The plan `save` wrote to `path`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(json.load(f))
 
     def __str__(self):
         rows = [("variable", "shape", "bytes", "placement", "why")]
@@ -282,11 +353,14 @@ class PlacementPolicy:
         asynchronous: Whether the workers train asynchronously.
         max_mirrored_bytes: The most bytes a PS variable with a dense gradient,
             with its optimizer slots, may take on each worker once mirrored.
+        saved: A `PlacementPlan` (or the path of one saved): each variable it records
+            is placed as it says, before any rule above, and never moves.
     """
 
     def __init__(self, architecture="hybrid", num_ps=1, overrides=None,
                  min_shard_bytes=DEFAULT_MIN_SHARD_BYTES, table_shards=None,
-                 asynchronous=False, max_mirrored_bytes=DEFAULT_MAX_MIRRORED_BYTES):
+                 asynchronous=False, max_mirrored_bytes=DEFAULT_MAX_MIRRORED_BYTES,
+                 saved=None):
         if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architecture={architecture!r} is not supported; use one of "
@@ -309,6 +383,7 @@ class PlacementPolicy:
         self.table_shards = validate_table_shards(table_shards)
         self.asynchronous = validate_asynchronous(asynchronous, architecture, self.overrides)
         self.max_mirrored_bytes = max_mirrored_bytes
+        self.saved = validate_saved(saved, num_ps)
         self.plan = PlacementPlan()
         self._ps_bytes = [0] * num_ps
         self._matched_overrides = set()
@@ -317,6 +392,8 @@ class PlacementPolicy:
     def decide(self, info):
         """Returns the `Placement` of `info` and records it in `self.plan`."""
         self._moved_to_mirrored.discard(info.path)
+        if self.saved is not None and info.path in self.saved:
+            return self._as_saved(info)
         kind, reason = self._kind(info)
         if kind == PS and not info.shape:
             pattern = self._override_of(info.path)
@@ -345,9 +422,13 @@ class PlacementPolicy:
         """
         if (self.architecture == "allreduce" or not info.shape
                 or self._override_of(info.path) is not None
-                or info.path in self._moved_to_mirrored):
+                or info.path in self._moved_to_mirrored or self._pinned_by_saved(info.path)):
             return None
-        return self._record(info, Placement(PS, self._shards(info)), reason, always=True)
+        placement = Placement(PS, self._shards(info))
+        if info.path not in self.plan:
+            self._record(info, Placement(MIRRORED), "", always=True)
+        self.plan = self.plan.revised(info.path, placement, reason)
+        return placement
 
     def stays_on_ps(self, path, worker_bytes):
         """Why the PS variable `path` stays there although its gradient is dense, or None.
@@ -359,6 +440,8 @@ class PlacementPolicy:
         pattern = self._override_of(path)
         if pattern is not None:
             return f"placement_overrides[{pattern!r}] pins it there"
+        if self._pinned_by_saved(path):
+            return "the placement_plan given to the strategy places it there"
         if self.architecture != "hybrid":
             return f"architecture {self.architecture!r} keeps every layer weight on a PS"
         if worker_bytes > self.max_mirrored_bytes:
@@ -383,8 +466,7 @@ class PlacementPolicy:
             if shard.task is not None:
                 self._ps_bytes[shard.task] -= shard.rows * row_bytes
         if record.placement is placement:
-            self.plan.add(dataclasses.replace(record, placement=Placement(MIRRORED),
-                                              reason=reason))
+            self.plan = self.plan.revised(path, Placement(MIRRORED), reason)
             self._moved_to_mirrored.add(path)
 
     def unmatched_overrides(self):
@@ -393,9 +475,28 @@ class PlacementPolicy:
 
     def _record(self, info, placement, reason, always):
         if always or info.layer_classes:
-            self.plan.add(PlacementRecord(info.path, tuple(info.shape or ()), info.nbytes,
-                                          placement, reason))
+            self.plan = self.plan.with_record(PlacementRecord(
+                info.path, tuple(info.shape or ()), info.nbytes, placement, reason))
         return placement
+
+    def _pinned_by_saved(self, path):
+        return self.saved is not None and path in self.saved
+
+    def _as_saved(self, info):
+        """`info`'s placement as the saved plan records it (the shards' tasks included)."""
+        saved = self.saved[info.path]
+        if tuple(info.shape or ()) != saved.shape:
+            raise ValueError(
+                f"placement_plan places {info.path!r} as a variable of shape "
+                f"{_shape_text(saved.shape)}, but the model's has shape "
+                f"{_shape_text(info.shape)}: save the plan of this model again "
+                "(strategy.placement.save(path)), or leave placement_plan out.")
+        row_bytes = info.nbytes // max(int(info.shape[0]), 1) if info.shape else 0
+        for shard in saved.placement.shards:
+            if shard.task is not None:
+                self._ps_bytes[shard.task] += shard.rows * row_bytes
+        return self._record(info, saved.placement, f"saved plan: {saved.reason}",
+                            always=True)
 
     def _override_of(self, path):
         for pattern in self.overrides:
@@ -443,6 +544,26 @@ class PlacementPolicy:
             return PS, (f"{layer} layer" if layer == sparse[0]
                         else f"{layer} subclasses {sparse[0]}")
         return MIRRORED, "dense layer weight"
+
+
+def validate_saved(saved, num_ps):
+    """A `placement_plan` argument as a `PlacementPlan` (a path to one saved is read),
+    checked against the `num_ps` PS tasks; None stays None."""
+    if saved is None:
+        return None
+    if isinstance(saved, (str, bytes)) or hasattr(saved, "__fspath__"):
+        saved = PlacementPlan.load(saved)
+    if not isinstance(saved, PlacementPlan):
+        raise TypeError(f"placement_plan must be a PlacementPlan (strategy.placement) or "
+                        f"the path of one saved with .save(path), got {saved!r}.")
+    for record in saved:
+        tasks = [s.task for s in record.placement.shards if s.task is not None]
+        if tasks and max(tasks) >= num_ps:
+            raise ValueError(
+                f"placement_plan places {record.path!r} on ps task {max(tasks)}, but the "
+                f"strategy has {num_ps} PS task(s): give it the plan of a run on as many "
+                "PS tasks, or leave placement_plan out.")
+    return saved
 
 
 def validate_asynchronous(asynchronous, architecture, overrides):

@@ -7,7 +7,7 @@ row onto the PS and a PS table with a dense gradient to mirrored, and records
 each trainable variable's gradient type.
 
 ```python
-placer = Placer(extended, options.placement_policy(num_ps=2))
+placer = Placer(options.placement_policy(num_ps=2), topology, container, create_mirrored)
 variable = placer.create(next_creator, kwargs, create_mirrored)
 ```
 """
@@ -36,16 +36,21 @@ class Placer:
     """Creates a strategy's variables where its policy decides, and moves them later.
 
     Args:
-        extended: The strategy's `HybridExtended` (its devices, wire dtype and
-            asynchronous scope).
         policy: The `PlacementPolicy` that decides.
+        topology: The strategy's `Topology` (its devices, wire dtype, whether it
+            trains asynchronously).
+        container: `container()` is the strategy, which TensorFlow's variables of
+            asynchronous training hold.
+        create_mirrored: `create_mirrored(**kwargs)` makes a mirrored variable on every
+            replica, with no placement of its own (a PS table's copy once it moves).
     """
 
-    def __init__(self, extended, policy):
-        self._extended = extended
-        self._strategy = extended._container_strategy
-        self._ps_devices = extended._ps_devices
+    def __init__(self, policy, topology, container, create_mirrored):
         self._policy = policy
+        self._topology = topology
+        self._ps_devices = topology.ps_devices
+        self._strategy = container
+        self._create_mirrored = create_mirrored
         # Mirrored variable -> its VariableInfo, and mirrored variable or table ->
         # the Keras 3 slots made beside it (weak references), for moving it to a PS
         # when it is read by row; table -> its Keras 3 variable, for moving it to
@@ -64,16 +69,26 @@ class Placer:
         self.gradient_types = {}
         self._examined = set()
 
+    @property
+    def plan(self):
+        """The `PlacementPlan`: the policy's decisions, with the moves this placer made."""
+        return self._policy.plan
+
+    def add_dynamic(self, path, stats):
+        """Lists the DynamicEmbedding whose rows are `path` in the plan (`stats()`: its
+        figures, or None once the layer is gone)."""
+        self._policy.plan = self._policy.plan.with_dynamic(path, stats)
+
     def create(self, next_creator, kwargs, create_mirrored):
         """The strategy's `_create_variable`: a PS table, a shared variable (asynchronous
         training) or `create_mirrored(**kwargs)`, as the policy decides; an optimizer
         slot goes where its variable is."""
         colocate_with = kwargs.get("colocate_with")
         context = creation.creation_context()
-        if self._extended.worker_scope and asynchronous_lib.is_shared(colocate_with):
+        if self._topology.asynchronous and asynchronous_lib.is_shared(colocate_with):
             return asynchronous_lib.create_shared(
                 next_creator, kwargs, colocate_with.device, self._strategy(),
-                self._extended.replicas_per_worker)
+                self._topology.replicas_per_worker)
         if colocate_with is not None:
             # An optimizer slot: a PS table's is sharded exactly like the table, a
             # mirrored variable's is mirrored; Keras 3's move with their variable.
@@ -102,7 +117,7 @@ class Placer:
                 and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ):
             return asynchronous_lib.create_shared(
                 next_creator, kwargs, self._ps_devices[decided.shards[0].task or 0],
-                self._strategy(), self._extended.replicas_per_worker)
+                self._strategy(), self._topology.replicas_per_worker)
         variable = create_mirrored(**kwargs)
         self._variable_infos[variable.ref()] = info
         return variable
@@ -125,7 +140,7 @@ class Placer:
                     tf.TensorShape(shape)[1:])
             with tf.device(device):
                 shards.append(next_creator(**shard_kwargs))
-        return table_class(shards, path, name=name, wire_dtype=self._extended.wire_dtype)
+        return table_class(shards, path, name=name, wire_dtype=self._topology.wire_dtype)
 
     def move_to_ps(self, keras_variable):
         """Moves a mirrored Keras 3 variable that is read by row onto the PS.
@@ -249,9 +264,10 @@ class Placer:
             keras_variable = self._keras_variables.pop(table.ref())()
             slots = [ref() for ref in self._slots_of.pop(table.ref(), ())]
             with tf.init_scope():
-                mirrored = mirroring.mirrored_copy(self._extended, table, replaced_id=table._unique_id)
+                mirrored = mirroring.mirrored_copy(self._create_mirrored, table,
+                                                   replaced_id=table._unique_id)
                 for slot in (slot for slot in slots if slot is not None):
-                    slot._value = mirroring.mirrored_copy(self._extended, slot._value)
+                    slot._value = mirroring.mirrored_copy(self._create_mirrored, slot._value)
             keras_variable._value = mirrored
             self._variable_infos[mirrored.ref()] = placement_lib.VariableInfo(
                 path, tuple(table.shape.as_list()), table.dtype.size)
@@ -264,7 +280,7 @@ class Placer:
         if keras_variable is None:
             return "it is not the value of a Keras 3 variable, which could be replaced"
         slots = sum(s() is not None for s in self._slots_of.get(table.ref(), ()))
-        replicas = max(len(devices) for _, devices in self._extended.input_hosts)
+        replicas = self._topology.replicas_per_worker
         nbytes = table.shape.num_elements() * table.dtype.size
         return self._policy.stays_on_ps(table.path, nbytes * (1 + slots) * replicas)
 
@@ -275,7 +291,7 @@ class Placer:
         self._overrides_checked = True
         unmatched = self._policy.unmatched_overrides()
         if unmatched:
-            known = ", ".join(record.path for record in self._policy.plan)
+            known = ", ".join(record.path for record in self.plan)
             warnings.warn(
                 f"HybridStrategy: placement_overrides pattern(s) {unmatched} match no "
                 "variable. Patterns match a variable's path as in model.weights, its "

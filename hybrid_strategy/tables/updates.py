@@ -1,7 +1,7 @@
 """Updates of PS tables: an optimizer's step or weight decay on the PS, or an assignment.
 
 ```python
-result = updates.update_table(extended, table, fn, args, kwargs, group)
+result = updates.update_table(topology, table, fn, args, kwargs, copy_on)
 ```
 """
 
@@ -9,21 +9,22 @@ import inspect
 
 import tensorflow as tf
 
-# TF-private: picks one replica's update arguments and regroups the result, as
-# MirroredExtended's own update does.
+# TF-private: picks one replica's update arguments, as MirroredExtended's own update
+# does, and the update context an assignment runs in.
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
 
-from hybrid_strategy.communication import riders
 from hybrid_strategy.communication import routing
 from hybrid_strategy.tables import sparse_optimizers
 
 
-def update_table(extended, table, fn, args, kwargs, group):
+def update_table(topology, table, fn, args, kwargs, copy_on=None):
     """The strategy's `_update` of a PS table; an optimizer's step runs on its ps tasks.
 
-    Its rule is sparse_optimizers.py's for that optimizer. Other updates (assignments) run `fn` on the table itself, whose methods
-    write each shard on its own device.
+    Its rule is sparse_optimizers.py's for that optimizer, in the `topology`'s
+    `sparse_update` mode. Other updates (assignments) run `fn` on the table itself, whose
+    methods write each shard on its own device. `copy_on(tensor, device)`: a copy of an
+    argument already on a ps task (communication/riders.py), or None. Returns the update.
     """
     args = distribute_utils.select_replica(0, args)
     kwargs = distribute_utils.select_replica(0, kwargs)
@@ -33,19 +34,15 @@ def update_table(extended, table, fn, args, kwargs, group):
         sparse_optimizers.check(optimizer, table.path)
         # Not in an update context: writes of mirrored optimizer state (tf_keras'
         # Adafactor and Nadam) then reach every replica's copy.
-        result = sparse_optimizers.update_table(
+        return sparse_optimizers.update_table(
             optimizer, fn, table, routing.shard_gradients(grad, table), args[1:], kwargs,
-            mode=extended.sparse_update, concurrent=extended.worker_scope is not None,
-            copy_on=lambda value, device: riders.copy_on(value.ref(), device))
-    elif optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
+            mode=topology.sparse_update, concurrent=topology.asynchronous, copy_on=copy_on)
+    if optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
         sparse_optimizers.check(optimizer, table.path)
-        result = sparse_optimizers.decay_table(optimizer, fn, table,
-                                               mode=extended.sparse_update,
-                                               concurrent=extended.worker_scope is not None)
-    else:
-        with distribute_lib.UpdateContext(0):
-            result = fn(table, *args, **kwargs)
-    return distribute_utils.update_regroup(extended, [result], group)
+        return sparse_optimizers.decay_table(optimizer, fn, table, mode=topology.sparse_update,
+                                             concurrent=topology.asynchronous)
+    with distribute_lib.UpdateContext(0):
+        return fn(table, *args, **kwargs)
 
 
 def _optimizer_of(fn):
