@@ -130,10 +130,17 @@ def measure(model_name, contender="hybrid", steps_per_execution=1, names=False):
         model = module.build_model(**spec.build)
     model.steps_per_execution = steps_per_execution
     batch = spec.global_batch
-    arrays = module.make_arrays(batch * 2 * steps_per_execution, seed=0, **spec.data)
-    data = contenders.per_worker_input(strategy, arrays, batch)
+    asynchronous = contenders.is_asynchronous(contender)
+    # An asynchronous step runs on one worker: every worker runs two.
+    steps = 2 * steps_per_execution * (len(strategy.extended.input_hosts) if asynchronous else 1)
+    arrays = module.make_arrays(batch * steps, seed=0, **spec.data)
+    if asynchronous:  # one dataset of global batches, each worker reading its own
+        from keras_examples import common  # pylint: disable=import-outside-toplevel
+        data = common.batched_dataset(arrays, batch, repeat=True)
+    else:
+        data = contenders.per_worker_input(strategy, arrays, batch)
     with RunMetadata() as metadata:
-        model.fit(data, epochs=1, steps_per_epoch=2 * steps_per_execution, verbose=0)
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     counted = count_transfers(metadata.result, names)
     if counted is not None:
         counted.update(model=model_name, contender=contender,
