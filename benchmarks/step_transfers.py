@@ -54,6 +54,40 @@ def _collective_messages(node, nodes):
     return 4 * (size - 1) if "Reduce" in node.op else 2 * max(size - 1, 1)
 
 
+def _functions(run_metadata):
+    """The partition graphs of each function that ran, one list per function.
+
+    TensorFlow records the partitions of the functions instantiated since its last
+    record in one entry: functions first run at once on several threads (asynchronous
+    training's workers) share one. An entry is split into its functions here: a
+    partition joins the one holding the other end of any of its sends or receives (the
+    same tensor between the same two devices).
+    """
+    for graphs in run_metadata.function_graphs:
+        parts = list(graphs.partition_graphs)
+        group = list(range(len(parts)))
+
+        def root(i):
+            while group[i] != i:
+                group[i] = group[group[i]]
+                i = group[i]
+            return i
+
+        ends = collections.defaultdict(list)  # (tensor, from, to) -> partitions
+        for i, part in enumerate(parts):
+            for node in part.node:
+                if node.op in ("_Send", "_HostSend", "_Recv", "_HostRecv"):
+                    ends[tuple(node.attr[key].s for key in (
+                        "tensor_name", "send_device", "recv_device"))].append(i)
+        for linked in ends.values():
+            for i in linked[1:]:
+                group[root(i)] = root(linked[0])
+        functions = collections.defaultdict(list)
+        for i, part in enumerate(parts):
+            functions[root(i)].append(part)
+        yield from functions.values()
+
+
 def count_transfers(run_metadata, names=False):
     """{"transfers": {"from->to": tensors}, "total": n, "ops": {task: ops},
     "per_task": {task: tensors sent and received, collectives' included}, "collectives":
@@ -61,8 +95,7 @@ def count_transfers(run_metadata, names=False):
     tasks, or None; with `names`, also "names": {"from->to": [edge names of the
     tensors]}."""
     best = None
-    for graphs in run_metadata.function_graphs:
-        parts = graphs.partition_graphs
+    for parts in _functions(run_metadata):
         tasks = {task_of(node.device) for part in parts for node in part.node}
         if len(tasks) < 2:
             continue
