@@ -54,6 +54,40 @@ def _collective_messages(node, nodes):
     return 4 * (size - 1) if "Reduce" in node.op else 2 * max(size - 1, 1)
 
 
+def _functions(run_metadata):
+    """The partition graphs of each function that ran, one list per function.
+
+    TensorFlow records the partitions of the functions instantiated since its last
+    record in one entry: functions first run at once on several threads (asynchronous
+    training's workers) share one. An entry is split into its functions here: a
+    partition joins the one holding the other end of any of its sends or receives (the
+    same tensor between the same two devices).
+    """
+    for graphs in run_metadata.function_graphs:
+        parts = list(graphs.partition_graphs)
+        group = list(range(len(parts)))
+
+        def root(i):
+            while group[i] != i:
+                group[i] = group[group[i]]
+                i = group[i]
+            return i
+
+        ends = collections.defaultdict(list)  # (tensor, from, to) -> partitions
+        for i, part in enumerate(parts):
+            for node in part.node:
+                if node.op in ("_Send", "_HostSend", "_Recv", "_HostRecv"):
+                    ends[tuple(node.attr[key].s for key in (
+                        "tensor_name", "send_device", "recv_device"))].append(i)
+        for linked in ends.values():
+            for i in linked[1:]:
+                group[root(i)] = root(linked[0])
+        functions = collections.defaultdict(list)
+        for i, part in enumerate(parts):
+            functions[root(i)].append(part)
+        yield from functions.values()
+
+
 def count_transfers(run_metadata, names=False):
     """{"transfers": {"from->to": tensors}, "total": n, "ops": {task: ops},
     "per_task": {task: tensors sent and received, collectives' included}, "collectives":
@@ -61,8 +95,7 @@ def count_transfers(run_metadata, names=False):
     tasks, or None; with `names`, also "names": {"from->to": [edge names of the
     tensors]}."""
     best = None
-    for graphs in run_metadata.function_graphs:
-        parts = graphs.partition_graphs
+    for parts in _functions(run_metadata):
         tasks = {task_of(node.device) for part in parts for node in part.node}
         if len(tasks) < 2:
             continue
@@ -130,10 +163,17 @@ def measure(model_name, contender="hybrid", steps_per_execution=1, names=False):
         model = module.build_model(**spec.build)
     model.steps_per_execution = steps_per_execution
     batch = spec.global_batch
-    arrays = module.make_arrays(batch * 2 * steps_per_execution, seed=0, **spec.data)
-    data = contenders.per_worker_input(strategy, arrays, batch)
+    asynchronous = contenders.is_asynchronous(contender)
+    # An asynchronous step runs on one worker: every worker runs two.
+    steps = 2 * steps_per_execution * (len(strategy.extended.input_hosts) if asynchronous else 1)
+    arrays = module.make_arrays(batch * steps, seed=0, **spec.data)
+    if asynchronous:  # one dataset of global batches, each worker reading its own
+        from keras_examples import common  # pylint: disable=import-outside-toplevel
+        data = common.batched_dataset(arrays, batch, repeat=True)
+    else:
+        data = contenders.per_worker_input(strategy, arrays, batch)
     with RunMetadata() as metadata:
-        model.fit(data, epochs=1, steps_per_epoch=2 * steps_per_execution, verbose=0)
+        model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
     counted = count_transfers(metadata.result, names)
     if counted is not None:
         counted.update(model=model_name, contender=contender,

@@ -283,6 +283,14 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         """The PS tasks' devices (the local CPU when not on a cluster)."""
         return self.topology.ps_devices
 
+    @property
+    def replica_parts(self):
+        """(parts of a per-replica variable, one per replica of every worker; the
+        positions among them of the replicas a step traced now runs on: every replica,
+        or its worker's in an asynchronous step)."""
+        return len(self._all_devices), tuple(
+            self._get_local_replica_id(r) for r in range(len(self._devices)))
+
     def _get_local_replica_id(self, replica_id_in_sync_group):
         worker = self.worker_scope.current() if self.worker_scope else None
         if worker is None:

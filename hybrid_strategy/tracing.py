@@ -14,7 +14,8 @@ the package keeps while it traces a step must be out of reach of the other trace
   (communication/side_effects.py), which worker a trace is for (`WorkerScope`);
 - per thread (`threading.local`), what lives within one Python call on one thread: the
   rows an optimizer's rule updates in place of a table (`ShardedTable.rows_view`),
-  the lookups a functional model made at once (keras_integration/batched_lookups.py),
+  the lookups a functional model made at once (keras_integration/batched_lookups.py)
+  and the tables it read whole ahead (keras_integration/reads_ahead.py),
   the ids an Embedding layer has checked and export tracing (tables/table.py), a loss
   being computed per output (keras_integration/batches.py);
 - the placer's handling of a PS table found to get a dense gradient, decided within

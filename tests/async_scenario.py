@@ -20,7 +20,9 @@ Cases:
   Keras 3 weights file) written in the middle of an epoch holds every step handed out
   before it;
 - language_model: an LSTM language model (a table, an LSTM whose gradients leave a
-  while loop, a softmax over the vocabulary, Adam) trains and counts every step.
+  while loop, a softmax over the vocabulary, Adam) trains and counts every step;
+- transfers (on a cluster): the tensors one worker's step of the click-through model
+  sends between tasks (benchmarks/step_transfers.py).
 
 With `--concurrent REPEATS` it runs the concurrent case alone instead: every worker
 traces its step at the same time, REPEATS times over, each time with a new model and
@@ -42,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 import scenario
+from benchmarks import step_transfers
 from hybrid_strategy import versions
 
 keras = tf.keras
@@ -303,6 +306,19 @@ def convergence_case(make_strategy, workdir):
     }
 
 
+def transfers_case(make_strategy, workers):
+    """The tensors crossing between tasks in a worker's step of the click-through
+    model (two steps per worker), by pair of tasks and with their edge names."""
+    strategy = make_strategy()
+    x, y = ctr_data(CTR_BATCH * 2 * workers, seed=0)
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = ctr_model()
+    with step_transfers.RunMetadata() as metadata:
+        model.fit(x, y, batch_size=CTR_BATCH, shuffle=False, verbose=0)
+    return step_transfers.count_transfers(metadata.result, names=True)
+
+
 LM_VOCAB, LM_SEQ, LM_BATCH, LM_STEPS, LM_EPOCHS = 64, 6, 32, 8, 3
 
 
@@ -361,6 +377,8 @@ def report(make_strategy, workers):
     with tempfile.TemporaryDirectory() as workdir:
         out["convergence"] = convergence_case(make_strategy, workdir)
     out["language_model"] = language_model_case(make_strategy)
+    if workers > 1:
+        out["transfers"] = transfers_case(make_strategy, workers)
     out["refusals"] = refusals(make_strategy)
     return out
 

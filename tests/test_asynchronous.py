@@ -180,6 +180,20 @@ def test_workers_tracing_at_once_apply_every_step_once(concurrent):
     assert checked == 2
 
 
+@pytest.mark.parametrize("shape, replicas", [("cluster", 1), ("keras3_replicas", 2)])
+def test_a_workers_step_crosses_between_tasks_in_few_tensors(request, shape, replicas):
+    # From the ps: every table its layers read whole in one tensor and the looked-up
+    # rows, per replica, and the end of the step's conditional; to it: the ids per
+    # replica, every gradient in one tensor, the step's check for data and the
+    # conditional's start; to the chief, the steps run and the logs. Nothing crosses
+    # to another worker (its metrics are the step's worker's own).
+    counted = request.getfixturevalue(shape)["transfers"]
+    pairs = counted["transfers"]
+    worker = next(pair.split("->")[0] for pair in pairs if pair.endswith("->chief0"))
+    assert pairs == {f"ps0->{worker}": 1 + 2 * replicas, f"{worker}->ps0": 3 + replicas,
+                     f"{worker}->chief0": 2}, counted["names"]
+
+
 def test_variables_live_on_the_ps(on_cluster_report):
     for path, devices in on_cluster_report["linear"]["devices"].items():
         assert devices == ["/job:ps/replica:0/task:0/device:CPU:0"], path

@@ -184,3 +184,50 @@ def test_random_initializers_draw_different_rows_for_every_shard(make_initialize
 def keras_initializer(name, **kwargs):
     """`tf.keras.initializers.NAME`: Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1."""
     return getattr(tf.keras.initializers, name)(**kwargs)
+
+
+class ReadWrittenReadAgain(keras.layers.Layer):
+    """`x * w + x * (w + 1)`, w read, incremented, and read again in one call."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones", name="w")
+
+    def call(self, x):
+        before = x * self.w
+        self.w.assign_add(keras.ops.ones_like(self.w))
+        return before + x * self.w
+
+
+def test_a_functional_model_reads_its_whole_tables_ahead_and_anew_after_a_write():
+    # architecture="ps": the Dense kernel and bias and the layer's weight are tables
+    # read whole, read ahead when the model starts; the weight, written in the call,
+    # is read anew after the write.
+    strategy = hybrid_strategy.HybridStrategy(architecture="ps")
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        written = ReadWrittenReadAgain(name="written")
+        model = keras.Model(inputs, written(keras.layers.Dense(3, name="dense")(inputs)))
+    # Keras traces a model before its first step (fit's symbolic build): what its
+    # layers read whole is known from then on.
+    tf.function(model).get_concrete_function(tf.TensorSpec((None, 3)))
+    tables = [w._value for w in model.weights]
+    assert all(table_lib.is_table(t) and table_lib.reads_whole(t) for t in tables)
+
+    @tf.function
+    def call(x):
+        return strategy.run(model, args=(x,))
+
+    x = np.arange(6.0, dtype="float32").reshape(2, 3)
+    kernel, bias = model.get_layer("dense").get_weights()
+    dense = x @ kernel + bias
+    np.testing.assert_allclose(call(x).numpy(), dense * 1 + dense * 2, rtol=1e-6)
+    np.testing.assert_allclose(call(x).numpy(), dense * 2 + dense * 3, rtol=1e-6)
+    np.testing.assert_array_equal(written.w.numpy(), [3.0] * 3)
+    # Read ahead once, and anew after the write: two reads of the weight, where the
+    # layer's own would make three (before, the increment's, after).
+    graph = call.get_concrete_function(x).graph
+    handle = dict((id(external), internal) for external, internal in graph.captures)[
+        id(written.w._value.shards[0].handle)]
+    reads = [op for op in graph.get_operations()
+             if op.type == "ReadVariableOp" and op.inputs[0] is handle]
+    assert len(reads) == 2, [op.name for op in reads]

@@ -53,8 +53,11 @@ def _per_copy(original, name, applies, in_stateless_scope):
         copies = getattr(self, "_value", None)
         if asynchronous.is_shared(copies):
             # One variable that concurrent asynchronous steps add to (the optimizer's
-            # step counter): its own atomic operation, so that no increment is lost.
-            return getattr(copies, name)(self._convert_to_tensor(value, dtype=self.dtype))
+            # step counter): its own atomic operation, so that no increment is lost;
+            # a number made a tensor where the variable lives, so that nothing crosses.
+            with tf.device(copies.device):
+                value = self._convert_to_tensor(value, dtype=self.dtype)
+            return getattr(copies, name)(value)
         if (not isinstance(value, numbers.Number)
                 or not isinstance(copies, values_lib.MirroredVariable)
                 or not applies(copies.distribute_strategy) or in_stateless_scope()):

@@ -34,6 +34,7 @@ from hybrid_strategy.keras_integration import multi_step
 from hybrid_strategy.keras_integration import optimizer_hooks
 from hybrid_strategy.keras_integration import penalty_hooks
 from hybrid_strategy.keras_integration import push_hooks
+from hybrid_strategy.keras_integration import reads_ahead
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.keras_integration import side_effect_hooks
 from hybrid_strategy.keras_integration import table_hooks
@@ -107,6 +108,8 @@ def install_all(strategy_class, connected):
     table_hooks.install_id_checks(gates.under_hybrid_strategy)
     # After the id checks: a table looked up at once returns its rows before them.
     batched_lookups.install(gates.in_replica_of_hybrid_strategy)
+    # Around the lookups: the tables read whole cross in their own exchange.
+    reads_ahead.install(gates.in_replica_of_hybrid_strategy)
     dynamic_hooks.install()
     export_hooks.install()
     if connected:

@@ -103,7 +103,7 @@ class PackedLogs:
         if not self._strategy.extended.pushes:
             return None
         groups = list(_summable_by_dtype(self._model.metrics,
-                                         self._strategy.num_replicas_in_sync).values())
+                                         self._strategy.extended.replica_parts[0]).values())
         if not groups:
             return None
         return riders.summed_with_push(lambda: [
@@ -152,13 +152,15 @@ class PackedLogs:
 
     def _per_replica(self, variables):
         """Each replica's state of `variables` (metric variables of one dtype) as one
-        vector, on the replica's device."""
+        vector, on the replica's device: the step's replicas' (an asynchronous step's
+        are its worker's, whose own running metrics its logs are)."""
         strategy = self._strategy
+        _, parts = strategy.extended.replica_parts
         vectors = []
-        for r, device in enumerate(strategy.extended.worker_devices):
+        for part, device in zip(parts, strategy.extended.worker_devices):
             with tf.device(device):
                 vectors.append(tf.concat([tf.reshape(tf.convert_to_tensor(
-                    strategy.experimental_local_results(v.value)[r]), [-1])
+                    strategy.experimental_local_results(v.value)[part]), [-1])
                     for v in variables], 0))
         return vectors
 
@@ -167,8 +169,9 @@ class PackedLogs:
         or `summed`: the sums of `summed_with_push`'s groups, made by the push)."""
         import keras  # pylint: disable=import-outside-toplevel  (Keras 3)
 
-        replicas = self._strategy.num_replicas_in_sync
-        groups = list(_summable_by_dtype(self._model.metrics, replicas).values())
+        every, ours = self._strategy.extended.replica_parts
+        replicas = len(ours)
+        groups = list(_summable_by_dtype(self._model.metrics, every).values())
         if summed is None:
             summed = [tf.add_n(self._per_replica(variables)) for variables in groups]
         state = []
@@ -199,8 +202,8 @@ def _is_float32_scalar(value):
 
 
 def _summable_by_dtype(metrics, num_replicas):
-    """`{dtype: [variable]}`: the metrics' variables with a part on every replica,
-    whose cross-replica value is their parts' sum or mean."""
+    """`{dtype: [variable]}`: the metrics' variables with a part on every replica
+    (`num_replicas` parts), whose cross-replica value is their parts' sum or mean."""
     groups = {}
     for metric in metrics:
         for variable in metric.variables:

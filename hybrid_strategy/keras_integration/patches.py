@@ -67,6 +67,14 @@ PATCHES = (
           params=("self", "inputs", "operation_fn", "call_fn"),
           checks=(RUN, "_run_through_graph refuses an output not connected to the inputs; the "
                        "patch calls it with the same arguments.")),
+    Patch("reads_ahead.run_reading_ahead", "keras",
+          "keras.src.ops.function:Function._run_through_graph", WRAP, TABLES,
+          "A functional model reads every PS table its layers read whole at once when it "
+          "starts: one tensor from each PS task, not one per table.",
+          params=("self", "inputs", "operation_fn", "call_fn"),
+          after=("batched_lookups.run_at_once",),
+          checks=(RUN, "_run_through_graph refuses an output not connected to the inputs; the "
+                       "patch calls it with the same arguments.")),
     Patch("batched_lookups.rows_looked_up", "keras",
           "keras.src.layers.core.embedding:Embedding.call", WRAP, TABLES,
           "An Embedding whose rows were looked up at once returns them (ids already checked).",

@@ -279,7 +279,10 @@ class RowsView:
         if not self._written:
             return []
         if concurrent:
-            return self._selection.write(self.table, self._value - self._read, added=True)
+            # On the rows' ps task, where both are: the change alone crosses nowhere.
+            with tf.device(self._selection.device):
+                change = self._value - self._read
+            return self._selection.write(self.table, change, added=True)
         return self._selection.write(self.table, self._value)
 
 

@@ -84,6 +84,11 @@ _DISTINCT_ROWS = threading.local()
 # {id(table): the rows standing in for it} while an optimizer's rule runs on this thread
 # (`rows_standing_in`): per thread, as asynchronous training's workers trace at once.
 _ROWS_VIEWS = threading.local()
+# .values: {id(table): its value read ahead} in `reading_ahead` blocks on this thread.
+_READ_AHEAD = threading.local()
+# Tables read whole, and tables looked up by row, in any function traced so far.
+_SEEN_WHOLE = weakref.WeakSet()
+_SEEN_BY_ROW = weakref.WeakSet()
 
 
 @dispatch.register_dispatchable_type
@@ -246,6 +251,7 @@ class ShardedTable(tf.Variable):
         view = self.rows_view
         if view is not None:
             return view.write(method, value)
+        _forget_read_ahead(self)
         ops = []
         for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
             with tf.device(shard.device):
@@ -253,6 +259,7 @@ class ShardedTable(tf.Variable):
         return tf.group(ops)
 
     def _scatter(self, sparse_delta, method):
+        _forget_read_ahead(self)
         ops = []
         for shard, part in zip(self.shards, split_slices(sparse_delta, self.num_shards)):
             with tf.device(shard.device):
@@ -483,17 +490,70 @@ def _read_whole(table):
     if exporting():
         return gen_resource_variable_ops.read_variable_op(
             table.saving_variable.handle, table.dtype)
+    ahead = getattr(_READ_AHEAD, "values", {}).get(id(table))
     with record.stop_recording():
-        parts = []
-        for shard in table.shards:
-            with tf.device(shard.device):
-                parts.append(gen_resource_variable_ops.read_variable_op(
-                    shard.handle, table.dtype))
-        whole = join_dense(parts)
+        if ahead is not None and ahead.graph is tf.compat.v1.get_default_graph():
+            whole = tf.identity(ahead)
+        else:
+            whole = join_dense(_read_shards(table))
     record_gradient(table, whole, lambda dy: remember_gradient(tf.identity(dy), table))
-    if not tf.executing_eagerly() and record.could_possibly_record():
-        _WHOLE_READS.setdefault(whole.graph, set()).add(table.ref())
+    if not tf.executing_eagerly():
+        _SEEN_WHOLE.add(table)
+        if record.could_possibly_record():
+            _WHOLE_READS.setdefault(whole.graph, set()).add(table.ref())
     return whole
+
+
+def _read_shards(table):
+    """Each shard's value, read on its own device."""
+    parts = []
+    for shard in table.shards:
+        with tf.device(shard.device):
+            parts.append(gen_resource_variable_ops.read_variable_op(shard.handle, table.dtype))
+    return parts
+
+
+def reads_whole(table):
+    """Whether the functions traced so far read `table` whole and never by row: a
+    table a layer reads whole (a Dense kernel under `architecture="ps"`), whose value
+    `reading_ahead` may read for the layer."""
+    return table in _SEEN_WHOLE and table not in _SEEN_BY_ROW
+
+
+@contextlib.contextmanager
+def reading_ahead(tables, device):
+    """Within, on this thread: whole reads of `tables` in the function being traced
+    return their values read on entry, until the table is written (a write reads anew).
+
+    The values cross to `device` as the lookups' rows do (communication/wire.py): what
+    one PS task holds of every table, as one tensor, where reading each table where it
+    is used takes a tensor per table and shard. Tables already read ahead on this
+    thread keep their value.
+    """
+    values = _READ_AHEAD.__dict__.setdefault("values", {})
+    tables = [t for t in {id(t): t for t in tables}.values() if id(t) not in values]
+    if tables and not exporting():
+        outbox = wire.Outbox()
+        with record.stop_recording():
+            tickets = [[outbox.put(shard.device, device, part)
+                        for shard, part in zip(table.shards, _read_shards(table))]
+                       for table in tables]
+            arrived = outbox.deliver()
+            with tf.device(device):
+                for table, parts in zip(tables, tickets):
+                    values[id(table)] = join_dense([arrived[part] for part in parts])
+    else:
+        tables = []
+    try:
+        yield
+    finally:
+        for table in tables:
+            values.pop(id(table), None)
+
+
+def _forget_read_ahead(table):
+    """The table is written: its later reads on this thread read it anew."""
+    getattr(_READ_AHEAD, "values", {}).pop(id(table), None)
 
 
 def read_whole_with_gradient(table):
@@ -527,6 +587,8 @@ def lookup_many(requests, name=None, checked=False):
     with tf.name_scope(name or "hybrid_lookup"):
         distinct = []
         for table, ids in requests:
+            if not tf.executing_eagerly():
+                _SEEN_BY_ROW.add(table)
             ids = tf.convert_to_tensor(ids)
             if not ids.dtype.is_integer:
                 raise TypeError(
