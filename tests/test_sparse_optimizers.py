@@ -166,7 +166,7 @@ def test_every_optimizer_trains_a_sharded_table_as_documented(strategy, name):
     flavour, factory, tied = CASES[name]
     ids, targets = batches()
     weights = [values(v) for v in Model(flavour, tied).variables]
-    lazy = strategy.extended.sparse_update == "lazy" and name not in WHOLE_TABLE
+    lazy = strategy.extended.topology.sparse_update == "lazy" and name not in WHOLE_TABLE
     model, optimizer, step = distributed(strategy, flavour, factory, tied, weights)
     for s in range(STEPS):
         step(ids[s], targets[s])
@@ -197,7 +197,7 @@ def test_lazy_steps_move_only_the_steps_rows(strategy):
     resting = np.setdiff1d(ids[0], ids[1])
     assert len(resting) and len(after) == 3
     for b, a in zip(before, after):
-        if strategy.extended.sparse_update == "lazy":
+        if strategy.extended.topology.sparse_update == "lazy":
             untouched = np.setdiff1d(np.arange(ROWS), ids[1])
             np.testing.assert_array_equal(a[untouched], b[untouched])
         else:
@@ -211,7 +211,7 @@ def test_lazy_steps_move_only_the_steps_rows(strategy):
         handle = captured[id(shard.handle)]
         ops |= {op.type for op in graph.get_operations()
                 if any(t is handle for t in op.inputs)}
-    if strategy.extended.sparse_update == "lazy":
+    if strategy.extended.topology.sparse_update == "lazy":
         assert ops == {"ResourceGather", "ResourceScatterUpdate"}
     else:
         assert {"ReadVariableOp", "AssignVariableOp"} <= ops

@@ -202,7 +202,7 @@ class AsyncDataset:
 
     def worker_iterator(self, worker):
         """A fresh iterator over worker `worker`'s batches, split over its replicas."""
-        hosts = self._strategy.extended._input_workers_devices  # pylint: disable=protected-access
+        hosts = self._strategy.extended.input_hosts
         host, devices = hosts[worker]
         dataset = self._dataset
         if len(hosts) > 1:
