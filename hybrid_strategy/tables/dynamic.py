@@ -306,7 +306,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
             return rows, keys
 
     def _decide(self, distinct, count, values, entries):
-        step = self.step.assign_add(1)
+        # A step counts once its ids came: a call that finds its dataset at an end (of
+        # unknown length) fails before then and counts no step.
+        with tf.control_dependencies([distinct, count]):
+            step = self.step.assign_add(1)
         new_to_map = tf.reduce_sum(tf.cast(tf.equal(values, -1), tf.int64))
         row, count_before, _ = self._state(values)
         if self.sketch is not None:  # waiting ids' counts: the sketch's
