@@ -20,8 +20,19 @@ serialized records and parse each batch at once:
 
 Under HybridStrategy with at least as many shards as workers, each worker reads and
 parses only its own shards (auto-sharding by file); with fewer, every worker reads all
-of them and parses only its share of each batch (a notice says so). The program ends
-with a line such as
+of them and parses only its share of each batch (a notice says so).
+
+With `--dynamic`, every table is a `hybrid_strategy.layers.DynamicEmbedding` of
+`--table_sizes` rows keyed by the raw int64 ids of the files, no vocabulary given: an
+id gets a row at its `--min_count`-th sighting, counted exactly or, with
+`--admission=sketch`, in a count-min sketch of a fixed size (docs/dynamic_vocabularies.md),
+and rows of ids not seen lately go when they run out. The files are the same:
+
+    python -m hybrid_strategy.launch --workers 2 --ps 1 -- \\
+        python keras_examples/criteo.py --data_dir=/tmp/criteo --dynamic \\
+        --min_count=2 --admission=sketch
+
+The program ends with a line such as
 
     final: val_auc=0.7420 val_loss=0.5105 steps/s=30.12 examples/s=15421
 """
@@ -107,19 +118,20 @@ FEATURES = dict(
     **{name: tf.io.FixedLenFeature([], tf.int64, default_value=0) for name in CATEGORICAL})
 
 
-def parse_batch(records):
-    """A batch of serialized records -> (model inputs, labels)."""
+def parse_batch(records, id_dtype=tf.int32):
+    """A batch of serialized records -> (model inputs, labels), ids as `id_dtype`."""
     parsed = tf.io.parse_example(records, FEATURES)
-    inputs = {name: tf.cast(parsed[name], tf.int32) for name in CATEGORICAL}
+    inputs = {name: tf.cast(parsed[name], id_dtype) for name in CATEGORICAL}
     inputs["dense"] = tf.math.log1p(tf.stack([parsed[name] for name in DENSE], axis=1))
     return inputs, tf.cast(parsed["label"], tf.float32)
 
 
-def make_dataset(pattern, batch_size, repeat=False, readers=4):
+def make_dataset(pattern, batch_size, repeat=False, readers=4, id_dtype=tf.int32):
     """Batches of `batch_size` records parsed from the files matching `pattern`.
 
     `batch_size` is the global batch: a distribution strategy splits each batch over its
-    replicas. Partial batches are dropped so every step has the same shape.
+    replicas. Partial batches are dropped so every step has the same shape. Ids come as
+    `id_dtype` (tf.int64: raw ids, for dynamic tables).
     """
     files = tf.data.Dataset.list_files(pattern, shuffle=False)
     records = files.interleave(tf.data.TFRecordDataset, cycle_length=readers,
@@ -127,14 +139,17 @@ def make_dataset(pattern, batch_size, repeat=False, readers=4):
     if repeat:
         records = records.repeat()
     return (records.batch(batch_size, drop_remainder=True)
-            .map(parse_batch, num_parallel_calls=tf.data.AUTOTUNE)
+            .map(lambda batch: parse_batch(batch, id_dtype),
+                 num_parallel_calls=tf.data.AUTOTUNE)
             .prefetch(tf.data.AUTOTUNE))
 
 
-def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128)):
-    """recommender.py's model over the 26 categorical and 13 dense features."""
+def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=(256, 128),
+                dynamic=False):
+    """recommender.py's model over the 26 categorical and 13 dense features (`dynamic`:
+    as recommender.build_model's)."""
     return recommender.build_model(table_sizes, embedding_dim, hidden_units, NUM_DENSE,
-                                   feature_names=CATEGORICAL, name="criteo")
+                                   feature_names=CATEGORICAL, name="criteo", dynamic=dynamic)
 
 
 def define_flags():
@@ -152,6 +167,13 @@ def define_flags():
                       f"Rows of each of the {NUM_CATEGORICAL} categorical features' tables.")
     flags.DEFINE_integer("embedding_dim", 16, "Width of every embedding table.")
     flags.DEFINE_list("hidden_units", ["256", "128"], "Widths of the MLP's hidden layers.")
+    flags.DEFINE_bool("dynamic", False, "DynamicEmbedding tables of --table_sizes rows, "
+                      "keyed by the raw ids, instead of Embedding tables.")
+    flags.DEFINE_integer("min_count", 1, "--dynamic: sightings before an id gets a row.",
+                         lower_bound=1)
+    flags.DEFINE_enum("admission", "exact", ["exact", "sketch"], "--dynamic: how ids "
+                      "waiting for --min_count are counted (sketch: a count-min sketch of "
+                      "a fixed size).")
 
 
 def main(argv):
@@ -175,13 +197,16 @@ def main(argv):
                              "--write_files.")
     # First: on a cluster, connecting to it invalidates variables created before.
     strategy = common.make_strategy(FLAGS.strategy, FLAGS.architecture)
+    id_dtype = tf.int64 if FLAGS.dynamic else tf.int32
     train = make_dataset(os.path.join(train_dir, "*.tfrecord"), FLAGS.batch_size,
-                         repeat=True)
-    validation = make_dataset(os.path.join(validation_dir, "*.tfrecord"), FLAGS.batch_size)
+                         repeat=True, id_dtype=id_dtype)
+    validation = make_dataset(os.path.join(validation_dir, "*.tfrecord"), FLAGS.batch_size,
+                              id_dtype=id_dtype)
+    dynamic = FLAGS.dynamic and {"min_count": FLAGS.min_count, "admission": FLAGS.admission}
     keras.utils.set_random_seed(FLAGS.seed)  # the same initial weights in every run
     with strategy.scope():
         model = build_model(table_sizes, FLAGS.embedding_dim,
-                            tuple(int(u) for u in FLAGS.hidden_units))
+                            tuple(int(u) for u in FLAGS.hidden_units), dynamic)
     common.print_strategy(strategy)
 
     last, steps_per_second = common.train(model, train, validation)

@@ -94,12 +94,15 @@ def build_model(table_sizes=DEFAULT_TABLE_SIZES, embedding_dim=16, hidden_units=
     the dense ones "dense". With `l2` > 0, every table carries an l2
     `embeddings_regularizer` of that factor, as click-through model libraries give their
     tables by default; HybridStrategy computes each table's penalty on its PS. With
-    `dynamic`, each table is a `hybrid_strategy.layers.DynamicEmbedding` of as many rows
-    (every id of the data gets one at its first sighting).
+    `dynamic` (True, or a dict of `DynamicEmbedding` options such as
+    `{"min_count": 2, "admission": "sketch"}`), each table is a
+    `hybrid_strategy.layers.DynamicEmbedding` of as many rows, keyed by raw int64 ids
+    (with no options, every id gets a row at its first sighting).
     """
     regularizer = keras.regularizers.L2(l2) if l2 else None
     feature_names = feature_names or [f"sparse_{i}" for i in range(len(table_sizes))]
-    inputs = {feature: keras.Input(shape=(), dtype="int32", name=feature)
+    inputs = {feature: keras.Input(shape=(), dtype="int64" if dynamic else "int32",
+                                   name=feature)
               for feature in feature_names}
     inputs["dense"] = keras.Input(shape=(num_dense,), dtype="float32", name="dense")
     embedded = [_table(size, embedding_dim, f"embedding_{i}", regularizer, dynamic)(
@@ -122,7 +125,8 @@ def _table(rows, dim, name, regularizer, dynamic):
     from hybrid_strategy.layers import DynamicEmbedding  # pylint: disable=import-outside-toplevel
     if regularizer is not None:
         raise ValueError("build_model: dynamic tables take no l2 penalty here.")
-    return DynamicEmbedding(dim, capacity=rows, name=name)
+    options = dynamic if isinstance(dynamic, dict) else {}
+    return DynamicEmbedding(dim, capacity=rows, name=name, **options)
 
 
 def define_flags():

@@ -5,8 +5,9 @@ the epoch, saves it (Keras 3: `save_weights` to DIR/dynamic.weights.h5; tf_keras
 `tf.train.Checkpoint` of the model and its optimizer in DIR), then trains the second
 half. `restore DIR`: builds the model on this cluster, restores the save and trains
 the second half. Both print, as JSON, every id's count, last step, row and optimizer
-slots and the dense weights at the end, and the number of PS tasks: a restore onto
-any number of PS tasks must end where the uninterrupted run ended.
+slots, the item table's admission sketch and the dense weights at the end, and the
+number of PS tasks: a restore onto any number of PS tasks must end where the
+uninterrupted run ended.
 
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- \
         python tests/dynamic_checkpoint_scenario.py save DIR
@@ -53,7 +54,8 @@ def _state(model, strategy):
             "remap_devices": {n: list(model.get_layer(n).remap.devices)
                               for n in scenario.TABLES},
             "rows_devices": {n: devices(model.get_layer(n).embeddings)
-                             for n in scenario.TABLES}}
+                             for n in scenario.TABLES},
+            "sketches": {n: scenario.sketch_state(model.get_layer(n)) for n in scenario.TABLES}}
 
 
 def main(phase, directory):

@@ -1,25 +1,31 @@
 """DynamicEmbedding tables trained on a cluster, against the same model trained on one device.
 
 The model: a user table keyed by raw int64 ids (admitted at their second sighting,
-least recently seen evicted first, capacity below the ids in the stream), an item
-table keyed by strings, multi-hot with padding and a mean combiner (least often seen
-evicted first, and every id unseen for 4 steps), and a dense tower. The stream brings
-new ids every step; its last batch holds one example, so one worker's share is empty.
-Each case trains it with `model.fit` under HybridStrategy (the rows on the PS tasks,
-the id -> row maps split over them) and the same model on one
-device from the same weights on the same global batches, and reports, per table,
-whether both hold the same ids with the same counts and last steps, the relative
-error of each id's row and optimizer slots, and of the dense weights, admissions,
-evictions, where rows and maps live, and the tensors a training step sends between
-tasks (benchmarks/step_transfers.py). Keras 3 and, under TF_USE_LEGACY_KERAS=1,
-tf_keras. (Exports of dynamic tables are served in tests/test_serving.py.) Prints the
-report as JSON:
+counted exactly while they wait, least recently seen evicted first, capacity below
+the ids in the stream), an item table keyed by strings, multi-hot with padding and a
+mean combiner (admitted at their second sighting, counted in a sketch small enough
+to be halved during the epoch; least often seen evicted first, and every id unseen
+for 4 steps), and a dense tower. The stream brings new ids every step; its last batch
+holds one example, so one worker's share is empty. Each case trains it with
+`model.fit` under HybridStrategy (the rows on the PS tasks, the id -> row maps split
+over them) and the same model on one device from the same weights on the same global
+batches, and reports, per table, whether both hold the same ids with the same counts
+and last steps (and the same sketch), the relative error of each id's row and
+optimizer slots, and of the dense weights, admissions, evictions, where rows and maps
+live, and the tensors a training step sends between tasks
+(benchmarks/step_transfers.py). One more case reads the examples from TFRecord files
+on disk, 8 shards, each worker only its own (each record parsed once, which the
+report counts), beside one device reading each worker's files in turn. Keras 3 and,
+under TF_USE_LEGACY_KERAS=1, tf_keras. (Exports of dynamic tables are served in
+tests/test_serving.py.) Prints the report as JSON:
 
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/dynamic_scenario.py
 """
 
 import json
+import os
 import sys
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -56,8 +62,10 @@ def build_model():
     u = keras.layers.Flatten()(DynamicEmbedding(
         DIM, USER_CAPACITY, min_count=2, eviction="lru", name="user",
         embeddings_initializer="normal", seed=5)(user))
-    i = DynamicEmbedding(DIM, ITEM_CAPACITY, key_dtype="string", eviction="lfu", max_age=4,
-                         combiner="mean", pad_id="", name="item", seed=6)(items)
+    i = DynamicEmbedding(DIM, ITEM_CAPACITY, key_dtype="string", min_count=2,
+                         admission="sketch", max_waiting=20, admission_error=0.05,
+                         eviction="lfu", max_age=4, combiner="mean", pad_id="", name="item",
+                         seed=6)(items)
     x = keras.layers.Concatenate()([u, i, u * i])
     x = keras.layers.Dense(8, activation="relu", name="tower")(x)
     return keras.Model([user, items], keras.layers.Dense(1, name="logit")(x))
@@ -71,11 +79,61 @@ def make_data():
     step = np.arange(n) // GLOBAL_BATCH
     user = universe[np.minimum(rng.zipf(1.4, n) - 1 + 6 * step, 399)][:, None]
     item = np.array([f"item-{k}" for k in range(300)], dtype=object)
-    picks = np.minimum(rng.zipf(1.3, (n, 3)) - 1 + 4 * step[:, None], 299)
+    picks = np.minimum(rng.zipf(1.3, (n, 3)) - 1 + 10 * step[:, None], 299)
     items = item[picks]
     items[rng.random((n, 3)) < 0.3] = ""  # padding
     clicks = (rng.random((n, 1)) < 0.4).astype("float32")
     return (user, items.astype(bytes)), clicks
+
+
+FILES, FILE_EXAMPLES = 8, 30   # 240 examples: 10 global batches of 24
+
+
+def write_files(directory):
+    """make_data's first 240 examples as TFRecord files: example r in file r % FILES."""
+    (user, items), clicks = make_data()
+    paths = [os.path.join(directory, f"part-{i}.tfrecord") for i in range(FILES)]
+    for i, path in enumerate(paths):
+        with tf.io.TFRecordWriter(path) as writer:
+            for r in range(i, FILES * FILE_EXAMPLES, FILES):
+                features = {
+                    "example": tf.train.Feature(int64_list=tf.train.Int64List(value=[r])),
+                    "user": tf.train.Feature(int64_list=tf.train.Int64List(value=user[r])),
+                    "items": tf.train.Feature(bytes_list=tf.train.BytesList(value=items[r])),
+                    "click": tf.train.Feature(float_list=tf.train.FloatList(value=clicks[r]))}
+                writer.write(tf.train.Example(features=tf.train.Features(
+                    feature=features)).SerializeToString())
+    return os.path.join(directory, "part-*.tfrecord")
+
+
+def read_files(pattern, batch, log=None, shard=None):
+    """Batches of `batch` parsed examples of the files; `shard` (index, count): a
+    worker's files alone; `log`: a file each parsed example's number is printed to."""
+    spec = {"example": tf.io.FixedLenFeature([1], tf.int64),
+            "user": tf.io.FixedLenFeature([1], tf.int64),
+            "items": tf.io.FixedLenFeature([3], tf.string),
+            "click": tf.io.FixedLenFeature([1], tf.float32)}
+
+    def parse(record):
+        example = tf.io.parse_single_example(record, spec)
+        parsed = [] if log is None else [tf.print(example["example"],
+                                                  output_stream=f"file://{log}")]
+        with tf.control_dependencies(parsed):
+            return (tf.identity(example["user"]), example["items"]), example["click"]
+
+    files = tf.data.Dataset.list_files(pattern, shuffle=False)
+    if shard is not None:
+        files = files.shard(shard[1], shard[0])
+    return files.interleave(tf.data.TFRecordDataset, cycle_length=2).map(parse).batch(batch)
+
+
+def one_device_reading_each_workers_files(pattern, workers):
+    """The global batches a cluster of `workers` trains on, read on one device: each
+    worker's next batch of its own files, one after the other."""
+    parts = tuple(read_files(pattern, GLOBAL_BATCH // workers, shard=(w, workers))
+                  for w in range(workers))
+    return tf.data.Dataset.zip(parts).map(
+        lambda *batches: tf.nest.map_structure(lambda *t: tf.concat(t, 0), *batches))
 
 
 def per_id(layer):
@@ -88,6 +146,11 @@ def per_id(layer):
         vectors = (rows[row], [s[row] for s in slots]) if row >= 0 else (None, [])
         out[int(key)] = (int(count), int(last), *vectors)
     return out
+
+
+def sketch_state(layer):
+    """The admission sketch of a DynamicEmbedding, as lists ({} without one)."""
+    return {k: v.tolist() for k, v in layer.remap.snapshot().items() if k.startswith("sketch")}
 
 
 def compare(layer, reference):
@@ -103,6 +166,8 @@ def compare(layer, reference):
         "same_ids": sorted(mine) == sorted(theirs) and all(
             mine[k][:2] == theirs[k][:2] and (mine[k][2] is None) == (theirs[k][2] is None)
             for k in mine),
+        "same_sketch": sketch_state(layer) == sketch_state(reference),
+        "sketch_bytes": None if layer.remap.sketch is None else layer.remap.sketch.nbytes,
         "rows": sum(v[2] is not None for v in mine.values()),
         "slots": len(layer.embeddings._hybrid_dynamic_slots),
         "row_error": max(row_errors),
@@ -114,20 +179,19 @@ def compare(layer, reference):
     }
 
 
-def case(strategy, weights, make_optimizer, inputs, clicks):
+def case(strategy, weights, make_optimizer, dataset, reference_dataset):
     loss = keras.losses.BinaryCrossentropy(from_logits=True)
     with strategy.scope():
         model = build_model()
         model.set_weights(weights)
         model.compile(optimizer=make_optimizer(), loss=loss)
         small = _small_table()
-    dataset = tf.data.Dataset.from_tensor_slices((inputs, clicks)).batch(GLOBAL_BATCH)
     with step_transfers.RunMetadata() as metadata:
         model.fit(dataset, epochs=1, verbose=0)
     reference = build_model()
     reference.set_weights(weights)
     reference.compile(optimizer=make_optimizer(), loss=loss)
-    reference.fit(dataset, epochs=1, verbose=0)
+    reference.fit(reference_dataset, epochs=1, verbose=0)
     dense = {path(w): references.error(references.values(w), references.values(r))
              for w, r in zip(model.weights, reference.weights)
              if path(w).split("/")[0] not in TABLES}
@@ -153,11 +217,23 @@ def main():
 
     keras.utils.set_random_seed(3)
     weights = build_model().get_weights()
-    inputs, clicks = make_data()
     report = {}
     for name, (make_optimizer, mode) in cases().items():
         strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=256, sparse_update=mode)
-        report[name] = case(strategy, weights, make_optimizer, inputs, clicks)
+        # Made once the strategy has connected to the cluster, which drops older datasets.
+        dataset = tf.data.Dataset.from_tensor_slices(make_data()).batch(GLOBAL_BATCH)
+        report[name] = case(strategy, weights, make_optimizer, dataset, dataset)
+    with tempfile.TemporaryDirectory() as directory:
+        pattern, log = write_files(directory), os.path.join(directory, "parsed.log")
+        workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+        make_optimizer, mode = cases()["adagrad"]
+        strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=256, sparse_update=mode)
+        report["files_adagrad"] = case(
+            strategy, weights, make_optimizer, read_files(pattern, GLOBAL_BATCH, log),
+            one_device_reading_each_workers_files(pattern, workers))
+        with open(log) as f:
+            report["files_adagrad"]["parsed"] = sorted(int(v) for v in f.read().replace(
+                "[", " ").replace("]", " ").split())
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
 

@@ -1,16 +1,20 @@
 """DynamicEmbedding: raw-id tables with admission and eviction, exact on a cluster.
 
 In this process: the id -> row map's decisions (admission at `min_count`, LRU and
-LFU eviction, ages, a bounded memory under ids that never repeat), the layer's
+LFU eviction, ages, a bounded memory under ids that never repeat), waiting ids
+counted in a sketch (admissions against exact counting on a Zipf stream, within the
+stated error; a fixed size; checkpoints restored over other shard counts), the layer's
 vectors for single- and multi-hot inputs against numpy, rows and optimizer slots
 reset on admission, weights files restored over another number of map shards, and
 errors. On real clusters of 2 workers and 2 ps (tests/dynamic_scenario.py, Keras 3
 and tf_keras): every id's count, last step, row and optimizer slots match training
-on one device, with admissions and evictions on (exports of every placement are served
-in tests/test_serving.py), both tables crossing in one tensor per pair of tasks and
-direction in a step; a save in the middle of an epoch on 2 ps (Keras 3
-weights file, tf_keras TensorFlow checkpoint), restored onto 1 and onto 3 ps, ends
-training exactly where the uninterrupted run ended
+on one device, with admissions and evictions on, one table's waiting ids counted
+exactly and the other's in a sketch that halves its counts (the same sketch as one
+device's), also read from sharded TFRecord files, each worker its own (exports of every
+placement are served in tests/test_serving.py), both tables crossing in one tensor
+per pair of tasks and direction in a step; a save in the middle of an epoch on 2 ps
+(Keras 3 weights file, tf_keras TensorFlow checkpoint), restored onto 1 and onto 3 ps,
+ends training exactly where the uninterrupted run ended, the sketch included
 (tests/dynamic_checkpoint_scenario.py).
 """
 
@@ -125,6 +129,107 @@ def test_decisions_do_not_depend_on_the_order_of_ids_or_the_number_of_shards():
             == {k for k, v in _held(three).items() if v[0] >= 0})
 
 
+# Waiting ids counted in a sketch ------------------------------------------------------
+
+
+def _zipf_stream(keys, steps=60, batch=400, seed=0):
+    """Batches of ids whose ranks follow Zipf(1.1) over a million ids: int64 ids with
+    only their high bits set, or strings."""
+    ranks = np.random.default_rng(seed).zipf(1.1, (steps, batch)) % 1_000_000
+    if keys == "int64":
+        return [r.astype(np.int64) << 32 for r in ranks]
+    return [np.array([f"id-{r}" for r in batch_ranks]) for batch_ranks in ranks]
+
+
+def _first_admissions(remap, stream):
+    """{key: the step its id got a row at} over the stream."""
+    _, dynamic = _layers()
+    first = {}
+    for step, ids in enumerate(stream):
+        keys = dynamic.keys_of(tf.constant(ids))
+        distinct, _, counts = tf.unique_with_counts(keys, out_idx=tf.int64)
+        rows = remap.train(distinct, counts, lambda rows, keys: []).numpy()
+        for key, row in zip(distinct.numpy(), rows):
+            if row >= 0:
+                first.setdefault(int(key), step)
+    return first
+
+
+@pytest.mark.parametrize("keys", ["int64", "string"])
+def test_a_sketch_admits_as_exact_counting_does_within_its_stated_error(keys):
+    # A Zipf stream of 24,000 sightings of 11,625 distinct ids, min_count 2, rows for
+    # every id admitted; exact counting forgets no waiting id, and the sketch, sized for
+    # 12,000, fills up to near its limit but never halves: no count is below the exact one.
+    stream = _zipf_stream(keys)
+    error = 0.05
+    exact = _remap(capacity=2_000, min_count=2, max_waiting=20_000)
+    counted = _remap(capacity=2_000, min_count=2, max_waiting=12_000, admission="sketch",
+                     admission_error=error)
+    by_exact, by_sketch = _first_admissions(exact, stream), _first_admissions(counted, stream)
+    assert int(counted.sketch.halvings.numpy()) == 0
+    # Never later than exact counting; earlier only for ids seen fewer than min_count
+    # times, each with odds of at most `error`.
+    assert all(by_sketch.get(key, 10**9) <= step for key, step in by_exact.items())
+    early = sum(1 for key, step in by_sketch.items() if step < by_exact.get(key, 10**9))
+    _, dynamic = _layers()
+    seen = len(np.unique(dynamic.keys_of(tf.constant(np.concatenate(stream))).numpy()))
+    assert seen - len(by_exact) > 10_000 and int(counted.sketch.occupied.numpy()) > (
+        0.9 * counted.sketch.limit)
+    assert 0 < early <= error * (seen - len(by_exact)), (early, seen, len(by_exact))
+    # No map entry for a waiting id: the map holds the admitted ids alone.
+    assert int(counted.shards[0].size().numpy()) == len(by_sketch)
+    assert int(exact.shards[0].size().numpy()) == seen
+
+
+def test_a_sketch_keeps_a_fixed_size_and_its_error_under_ids_that_never_repeat():
+    _, dynamic = _layers()
+    remap = _remap(capacity=4000, min_count=3, max_waiting=500, admission="sketch",
+                   admission_error=0.01)
+    sketch = remap.sketch
+    # 7 rows of 704 two-bit counters (704: 500 / -ln(1 - 0.01 ** (1 / 7)), to a word),
+    # and two int64s.
+    assert (sketch.depth, sketch.width, sketch.bits) == (7, 704, 2)
+    assert sketch.nbytes == 7 * 704 * 2 // 8 + 16 == dynamic.sketch_lib.nbytes(500, 3, 0.01)
+    early = 0
+    for step in range(40):
+        ids = (np.arange(step * 100, step * 100 + 100) * 7919 - 2**40).astype(np.int64)
+        early += int(np.sum(_train(remap, np.repeat(ids, 2)) >= 0)) // 2   # each seen twice
+        assert int(sketch.occupied.numpy()) <= sketch.limit
+        # The map holds admitted ids alone, and the sketch the same words.
+        assert int(remap.shards[0].size().numpy()) == early
+        assert sketch.words.shape == [7 * 704 // 32]
+    assert int(sketch.halvings.numpy()) >= 4   # about every 500 new ids
+    assert early <= 0.01 * 4000, early
+
+
+def test_a_sketch_restores_onto_another_number_of_shards_and_goes_on_alike(tmp_path):
+    stream = _zipf_stream("int64", steps=16, batch=200, seed=1)
+
+    def made(shards):
+        return _remap(capacity=16, min_count=3, max_waiting=400, admission="sketch",
+                      admission_error=0.02, shards=shards)
+
+    two, three = made(2), made(3)
+    _first_admissions(two, stream[:8])
+    assert int(two.sketch.halvings.numpy()) > 0 and int(two.evictions.numpy()) > 0
+    path = tf.train.Checkpoint(remap=two).write(str(tmp_path / "remap"))
+    tf.train.Checkpoint(remap=three).read(path).assert_consumed()
+    snapshot = two.snapshot()
+    for remap in (two, three):
+        _first_admissions(remap, stream[8:])
+    assert _held(three) == _held(two)
+    for name, value in two.snapshot().items():
+        if name.startswith("sketch"):
+            np.testing.assert_array_equal(three.snapshot()[name], value)
+    with pytest.raises(ValueError, match="saved with admission='exact'"):
+        made(1).restore(_remap(capacity=16, min_count=3).snapshot())
+    with pytest.raises(ValueError, match="saved with admission='sketch'"):
+        _remap(capacity=16, min_count=3).restore(snapshot)
+    with pytest.raises(ValueError, match="same max_waiting, admission_error and min_count"):
+        _remap(capacity=16, min_count=3, max_waiting=4000, admission="sketch").restore(
+            snapshot)
+
+
 # The layer ------------------------------------------------------------------------------
 
 
@@ -233,13 +338,15 @@ def test_a_subclassed_model_trains_and_saves_its_tables(tmp_path):
     np.testing.assert_array_equal(again.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path):
+@pytest.mark.parametrize("admission", ["exact", "sketch"])
+def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path, admission):
     DynamicEmbedding, dynamic = _layers()
+    options = {"min_count": 2, "admission": admission, "max_waiting": 20}
 
     def model():
         return keras.Sequential([keras.Input((2,), dtype="int64"),
-                                 DynamicEmbedding(4, capacity=20, min_count=2, name="ids",
-                                                  combiner="sum"),
+                                 DynamicEmbedding(4, capacity=20, name="ids", combiner="sum",
+                                                  **options),
                                  keras.layers.Dense(1)])
 
     saved = model()
@@ -250,7 +357,7 @@ def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path):
     saved.save_weights(path)
     restored = model()
     layer = restored.get_layer("ids")
-    layer.remap = dynamic.Remap(20, ["/cpu:0"] * 3, min_count=2)
+    layer.remap = dynamic.Remap(20, ["/cpu:0"] * 3, **options)
     restored.load_weights(path)
     np.testing.assert_allclose(restored.predict(x, verbose=0), saved.predict(x, verbose=0),
                                rtol=1e-6)
@@ -258,6 +365,12 @@ def test_weights_files_restore_onto_another_number_of_map_shards(tmp_path):
                                    "rows_in_use": layer.table_stats()["rows_in_use"]}
     assert sum(layer.table_stats()["rows_in_use"]) == sum(
         saved.get_layer("ids").table_stats()["rows_in_use"])
+    # The waiting ids' counts came back too: the next step admits the same ids.
+    later = np.random.default_rng(2).integers(0, 30, (8, 2)) * 10**12
+    restored.compile(optimizer="adam", loss="mse")
+    for trained in (saved, restored):
+        trained.fit(later, np.ones((8, 1)), batch_size=8, verbose=0)
+    assert _held(layer.remap) == _held(saved.get_layer("ids").remap)
 
 
 def test_tensorflow_checkpoints_restore_the_map_onto_another_number_of_shards(tmp_path):
@@ -355,6 +468,11 @@ def test_the_logger_and_the_placement_report_rows_admissions_and_evictions():
     ({"embeddings_initializer": "orthogonal"}, ValueError, "not supported"),
     ({"capacity": "12 parsecs"}, ValueError, "a size such as"),
     ({"capacity": "100B"}, ValueError, "holds no row of 3 floats"),
+    ({"admission": "bloom"}, ValueError, "admission='bloom'"),
+    ({"admission": "sketch"}, ValueError, "with min_count=1 no id waits"),
+    ({"admission": "sketch", "min_count": 2, "admission_error": 0}, ValueError,
+     "admission_error=0"),
+    ({"admission": "sketch", "min_count": 70_000}, ValueError, "counts up to 65535"),
 ])
 def test_bad_arguments_are_refused_when_the_layer_is_made(kwargs, error, match):
     DynamicEmbedding, _ = _layers()
@@ -370,12 +488,23 @@ def test_a_capacity_in_bytes_counts_rows_and_map_entries_waiting_ids_included():
         (10**6 - 1000 * entry) // (64 + 32 + entry))
     layer = DynamicEmbedding(16, "1MiB")
     assert DynamicEmbedding.from_config(layer.get_config()).capacity == layer.capacity
+    # A sketch instead of the waiting ids' entries: 2 bits a counter for min_count 2.
+    sketched = DynamicEmbedding(16, "1MiB", min_count=2, admission="sketch")
+    _, dynamic = _layers()
+    rows = sketched.capacity
+    assert sketched.admission_bytes == dynamic.sketch_lib.nbytes(rows, 2, 0.01) < rows * 3
+    assert rows * (64 + 32 + entry) + sketched.admission_bytes <= 2**20 < (
+        (rows + 1) * (64 + 32 + entry) + dynamic.sketch_lib.nbytes(rows + 1, 2, 0.01))
+    assert DynamicEmbedding(16, "1 MB", max_waiting=1000, min_count=2, admission="sketch",
+                            ).capacity == (10**6 - dynamic.sketch_lib.nbytes(1000, 2, 0.01)
+                                           ) // (64 + 32 + entry)
 
 
 def test_the_config_makes_the_same_layer():
     DynamicEmbedding, _ = _layers()
     layer = DynamicEmbedding(3, 16, key_dtype="string", min_count=2, eviction="lfu",
                              max_age=9, combiner="sqrtn", pad_id="", seed=4,
+                             admission="sketch", admission_error=0.02,
                              embeddings_initializer=keras.initializers.RandomNormal(0.1, 0.2))
     again = DynamicEmbedding.from_config(layer.get_config())
     assert again.get_config() == layer.get_config()
@@ -440,21 +569,35 @@ def exactness(request):
 def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(exactness):
     report = exactness
     slots = {"adagrad": 1, "adam_exact": 2, "adamw_exact": 2, "ftrl_exact": 2,
-             "sgd_momentum_exact": 1}
+             "sgd_momentum_exact": 1, "files_adagrad": 1}
     assert sorted(report) == sorted(slots)
     for name, case in report.items():
         for table, result in case["tables"].items():
             assert result["same_ids"], (name, table)
+            assert result["same_sketch"], (name, table)
             assert result["row_error"] <= TOLERANCE, (name, table, result["row_error"])
             assert result["slot_error"] <= TOLERANCE, (name, table, result["slot_error"])
             assert result["slots"] == slots[name], (name, table)
             stats = result["stats"]
             assert stats == result["reference_stats"] | {"rows_in_use": stats["rows_in_use"]}
-            # The stream overflows both tables: rows were evicted and given again.
-            assert stats["evictions"] > 0 and stats["admissions"] > stats["capacity"], stats
+            assert stats["steps"] == 10 if name == "files_adagrad" else 11, (name, stats)
+            # The stream overflows both tables: rows were evicted and given again (read
+            # from files, its ids come in another order: the item table's alone).
+            if name != "files_adagrad" or table == "item":
+                assert stats["evictions"] > 0 and stats["admissions"] > stats["capacity"], (
+                    name, table, stats)
             assert (sum(stats["rows_in_use"]) == stats["admissions"] - stats["evictions"]
                     <= stats["capacity"]), stats
         assert max(case["dense_errors"].values()) <= TOLERANCE, name
+        # The item table's waiting ids are counted in a sketch on the first PS task,
+        # which filled and halved its counts during the epoch (5 rows of 32 two-bit
+        # counters for 20 waiting ids at odds 0.05, and two int64s): the same as on
+        # one device.
+        item = case["tables"]["item"]
+        assert item["stats"]["sketch_halvings"] > 0 and item["sketch_bytes"] == 5 * 32 // 4 + 16
+        assert case["tables"]["user"]["sketch_bytes"] is None
+    # From files: each worker parsed its own files' records alone, each once.
+    assert report["files_adagrad"]["parsed"] == list(range(240))
 
 
 @pytest.mark.cluster
@@ -506,3 +649,5 @@ def test_a_mid_epoch_save_restored_onto_other_ps_counts_ends_where_training_ende
                 np.testing.assert_allclose(mine[3], state[3], rtol=TOLERANCE, atol=1e-7)
     for path, value in saved["dense"].items():
         np.testing.assert_allclose(resumed["dense"][path], value, rtol=TOLERANCE, atol=1e-7)
+    # The item table's admission sketch came back and went on as uninterrupted.
+    assert resumed["sketches"] == saved["sketches"] and saved["sketches"]["item"]

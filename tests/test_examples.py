@@ -70,19 +70,25 @@ def text_classifier_program():
 
 
 def criteo_programs(data_dir):
-    """Criteo's writing run, then its training run if the first one succeeded; and the
-    training files written."""
-    # Smaller: 26 tables of 50 rows, 2 shards of 128 records, 2 steps on one machine.
+    """Criteo's writing run, then its training runs, each if the one before succeeded;
+    and the training files written."""
+    # Smaller: 26 tables of 50 rows, 2 shards of 128 records, 2 steps on one machine,
+    # then with dynamic tables on 2 workers (one shard each) + 1 ps.
     command = [sys.executable, os.path.join(REPO, "keras_examples", "criteo.py"),
                f"--data_dir={data_dir}", "--table_sizes=" + ",".join(["50"] * 26)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    training = ["--epochs=1", "--steps_per_epoch=2", "--verbose=0", "--batch_size=64",
+                "--hidden_units=16"]
+    cluster = [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
+               "--"]
     results = []
-    for extra in (["--write_files", "--files=2", "--examples=256",
-                   "--validation_examples=128"],
-                  ["--epochs=1", "--steps_per_epoch=2", "--verbose=0", "--batch_size=64",
-                   "--hidden_units=16"]):
-        results.append(subprocess.run(command + extra, capture_output=True, text=True,
-                                      timeout=300, env=env, check=False))
+    for run in (command + ["--write_files", "--files=2", "--examples=256",
+                           "--validation_examples=128"],
+                command + training,
+                cluster + command + training + ["--dynamic", "--min_count=2",
+                                                "--admission=sketch"]):
+        results.append(subprocess.run(run, capture_output=True, text=True,
+                                      timeout=300, env=env, cwd=REPO, check=False))
         if results[-1].returncode != 0:
             break
     return results, len(list((data_dir / "train").glob("*.tfrecord")))
@@ -130,9 +136,13 @@ def test_criteo_writes_its_shards_then_trains_from_them(criteo):
     results, train_files = criteo
     for result in results:
         assert result.returncode == 0, result.stderr[-2000:]
-    assert len(results) == 2
+    assert len(results) == 3
     assert train_files == 2
-    assert results[-1].stdout.splitlines()[-1].startswith("final: val_auc=")
+    for result in results[1:]:
+        assert result.stdout.splitlines()[-1].startswith("final: val_auc=")
+    # Then with a DynamicEmbedding per feature, each worker reading its own shard.
+    dynamic = [line for line in results[-1].stdout.splitlines() if line.startswith("dynamic ")]
+    assert len(dynamic) == 26, results[-1].stdout[-3000:]
 
 
 def test_readme_main_job_trains_on_a_local_cluster_and_exits_quietly(readme_job):

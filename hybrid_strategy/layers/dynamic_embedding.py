@@ -29,6 +29,7 @@ from hybrid_strategy.keras_integration import batched_lookups
 from hybrid_strategy.keras_integration import dynamic_hooks
 from hybrid_strategy.tables import dynamic
 from hybrid_strategy.tables import dynamic_exchange
+from hybrid_strategy.tables import sketch
 from hybrid_strategy.tables import table as table_lib
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -62,7 +63,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         capacity: Number of rows (ids held at once), or the memory they may take on
             the PS tasks as a string such as "256MiB" (units B, KB, MB, GB, KiB, MiB,
             GiB): each row's float32 vector, its map entry and its 32-byte record,
-            and the map entries of up to `max_waiting` ids waiting for admission.
+            and the map entries of up to `max_waiting` ids waiting for admission (with
+            `admission="sketch"`, the sketch's bytes).
             Optimizer slots come on top, a row's vector each (Adagrad one, Adam two);
             `layer.capacity` says the rows.
         key_dtype: "int64" (integer ids, any value) or "string".
@@ -71,8 +73,15 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         max_age: Training steps without a sighting after which an id is evicted;
             None: only when rows run out.
         max_waiting: Ids seen fewer than `min_count` times whose counts are kept
-            (None: `capacity`); past it, the oldest half is forgotten. Make it larger
-            than the number of distinct ids seen between an id's sightings.
+            (None: `capacity`); past it, the oldest half is forgotten (with a sketch,
+            every count is halved). Make it larger than the number of distinct ids seen
+            between an id's sightings.
+        admission: How ids waiting for `min_count` are counted: "exact" (an entry of
+            about 48 bytes each in the id -> row map) or "sketch" (a count-min sketch of
+            a fixed size for `max_waiting` ids, a few bits per id: `admission_bytes`).
+        admission_error: With "sketch", the odds that an id is admitted before its
+            `min_count`-th sighting, at most (it is never admitted later than exact
+            counting would admit it, counts forgotten aside).
         combiner: None (a vector per id, shaped like the input plus `output_dim`), or
             "sum", "mean", "sqrtn": one vector per row of a 2-D (padded or ragged)
             input, combining its ids.
@@ -85,19 +94,29 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     def __init__(self, output_dim, capacity, key_dtype="int64", min_count=1, eviction="lru",
                  max_age=None, max_waiting=None, combiner=None, pad_id=None,
-                 embeddings_initializer="uniform", seed=0, **kwargs):
+                 embeddings_initializer="uniform", seed=0, admission="exact",
+                 admission_error=0.01, **kwargs):
         super().__init__(**kwargs)
         self.output_dim = _positive_int(output_dim, "output_dim")
         self.max_waiting = (None if max_waiting is None
                             else _positive_int(max_waiting, "max_waiting"))
+        self.min_count = _positive_int(min_count, "min_count")
+        if admission not in dynamic.ADMISSIONS:
+            raise ValueError(f"DynamicEmbedding: admission={admission!r}; use one of "
+                             f"{dynamic.ADMISSIONS}.")
+        self.admission, self.admission_error = admission, float(admission_error)
+        waiting_bytes = functools.partial(_waiting_bytes, admission, self.min_count,
+                                          self.admission_error)
+        waiting_bytes(1)  # refuses a sketch that cannot be built, now
         self.capacity_given = capacity
-        self.capacity = (_rows_in(capacity, self.output_dim, self.max_waiting)
+        self.capacity = (_rows_in(capacity, self.output_dim, self.max_waiting, waiting_bytes)
                          if isinstance(capacity, str) else _positive_int(capacity, "capacity"))
+        # The memory of the ids waiting for admission, at most (exact: an estimate).
+        self.admission_bytes = waiting_bytes(self.max_waiting or self.capacity)
         if key_dtype not in KEY_DTYPES:
             raise ValueError(f"DynamicEmbedding: key_dtype={key_dtype!r}; use one of "
                              f"{KEY_DTYPES}.")
         self.key_dtype = key_dtype
-        self.min_count = _positive_int(min_count, "min_count")
         if eviction not in dynamic.POLICIES:
             raise ValueError(f"DynamicEmbedding: eviction={eviction!r}; use one of "
                              f"{dynamic.POLICIES}.")
@@ -128,7 +147,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         with tf.init_scope():  # Keras may build inside a traced function
             self.remap = dynamic.Remap(self.capacity, _remap_devices(self.embeddings),
                                        self.min_count, self.eviction, self.max_age,
-                                       self.max_waiting, name=f"{self.name}_remap")
+                                       self.max_waiting, admission=self.admission,
+                                       admission_error=self.admission_error,
+                                       name=f"{self.name}_remap")
         placer = getattr(tf.distribute.get_strategy().extended, "placer", None)
         if placer is not None:  # a HybridStrategy lists the table in its placement
             stats = weakref.WeakMethod(self.table_stats)
@@ -260,13 +281,17 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     # State --------------------------------------------------------------------------
 
     def table_stats(self):
-        """{"capacity", "rows_in_use" (per map shard), "admissions", "evictions", "steps"}."""
+        """{"capacity", "rows_in_use" (per map shard), "admissions", "evictions", "steps"},
+        and with a sketch "sketch_halvings" (the times its counts were halved)."""
         remap = self.remap
-        return {"capacity": self.capacity,
-                "rows_in_use": [int(n) for n in remap.rows_in_use().numpy()],
-                "admissions": int(remap.admissions.numpy()),
-                "evictions": int(remap.evictions.numpy()),
-                "steps": int(remap.step.numpy())}
+        stats = {"capacity": self.capacity,
+                 "rows_in_use": [int(n) for n in remap.rows_in_use().numpy()],
+                 "admissions": int(remap.admissions.numpy()),
+                 "evictions": int(remap.evictions.numpy()),
+                 "steps": int(remap.step.numpy())}
+        if remap.sketch is not None:
+            stats["sketch_halvings"] = int(remap.sketch.halvings.numpy())
+        return stats
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
@@ -286,7 +311,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         config.update(output_dim=self.output_dim, capacity=self.capacity_given,
                       key_dtype=self.key_dtype, min_count=self.min_count,
                       eviction=self.eviction, max_age=self.max_age,
-                      max_waiting=self.max_waiting, combiner=self.combiner,
+                      max_waiting=self.max_waiting, admission=self.admission,
+                      admission_error=self.admission_error, combiner=self.combiner,
                       pad_id=self.pad_id, seed=self.seed,
                       embeddings_initializer=_serializable(self.embeddings_initializer))
         return config
@@ -341,10 +367,21 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def _rows_in(budget, output_dim, max_waiting):
+def _waiting_bytes(admission, min_count, error, max_waiting):
+    """The bytes `max_waiting` ids waiting for admission take: their map entries, or the
+    sketch counting them."""
+    if admission == "exact":
+        return max_waiting * MAP_ENTRY_BYTES
+    try:
+        return sketch.nbytes(max_waiting, min_count, error)
+    except ValueError as error_made:
+        raise ValueError(f"DynamicEmbedding: {error_made}") from None
+
+
+def _rows_in(budget, output_dim, max_waiting, waiting_bytes):
     """The rows a capacity of `budget` bytes ("256MiB") holds: each a float32 vector, a
-    map entry and its record, beside the entries of `max_waiting` waiting ids (None: as
-    many as rows)."""
+    map entry and its record, beside `waiting_bytes(max_waiting)` for the waiting ids
+    (None: as many as rows)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", budget, re.IGNORECASE)
     if not match:
         raise ValueError(f"DynamicEmbedding: capacity={budget!r}; give a number of rows or "
@@ -352,14 +389,18 @@ def _rows_in(budget, output_dim, max_waiting):
     total = float(match.group(1)) * _UNITS[match.group(2).upper()]
     row = 4 * output_dim + MAP_ENTRY_BYTES + ROW_RECORD_BYTES
     if max_waiting is None:
-        rows = total // (row + MAP_ENTRY_BYTES)
+        # Waiting ids' bytes grow with the rows, by steps (a sketch's rounding): the
+        # estimate at a waiting id's average cost, then down until it fits.
+        rows = total // (row + waiting_bytes(2**20) / 2**20)
+        while rows >= 1 and rows * row + waiting_bytes(int(rows)) > total:
+            rows -= 1
     else:
-        rows = (total - max_waiting * MAP_ENTRY_BYTES) // row
+        rows = (total - waiting_bytes(max_waiting)) // row
     if rows < 1:
         raise ValueError(f"DynamicEmbedding: capacity={budget!r} holds no row of "
                          f"{output_dim} floats ({row} bytes with its map entry and record"
-                         + (f", after {max_waiting} waiting ids' entries" if max_waiting
-                            else ", and as much for a waiting id's") + "); give more.")
+                         + (f", after {max_waiting} waiting ids' counts" if max_waiting
+                            else ", beside the counts of as many waiting ids") + "); give more.")
     return int(rows)
 
 

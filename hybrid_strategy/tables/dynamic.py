@@ -29,6 +29,12 @@ once, in the cross-replica context, before any replica looks a row up:
    ids not seen for more than `max_age` steps, admitted or waiting; when more than
    `max_waiting` ids wait for admission, it forgets the oldest of them, down to half.
 
+With `admission="sketch"`, waiting ids are in no map: their counts are in a
+`sketch.WaitingSketch` of a fixed size beside the first shard, which estimates them
+(above the exact count with odds of at most `admission_error`, never below it until
+halved) and halves them all when it fills, instead of forgetting the oldest waiting
+ids or those older than `max_age`.
+
 Every decision depends only on the multiset of the step's ids, never on how they
 were split over replicas or shards, so N workers decide exactly what one device
 decides on the same global batch. Ids not admitted look up no row (row -1).
@@ -54,16 +60,12 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-# TF-private: the value of the attribute that keeps an If op a function call (`_rarely`).
-from tensorflow.core.framework import attr_value_pb2
-# TF-private: a variable created directly as a ResourceVariable bypasses the
-# distribution strategy's variable creator; the remap's bookkeeping lives on one
-# device and is written once per step, not mirrored.
-from tensorflow.python.ops import resource_variable_ops
-
+from hybrid_strategy.tables import remap_ops
+from hybrid_strategy.tables import sketch as sketch_lib
 from hybrid_strategy.tables import table as table_lib
 
 POLICIES = ("lru", "lfu")
+ADMISSIONS = ("exact", "sketch")
 _ROW, _COUNT, _LAST = 0, 1, 2  # of an id's state in a snapshot: [row, count, last]
 _KEY = 0  # of a row's record: [key, count, last]
 _STRING_BUCKETS = np.iinfo(np.int64).max
@@ -83,21 +85,6 @@ def keys_of(ids):
     return tf.cast(ids, tf.int64)
 
 
-def _mix(keys, salt=0):
-    """splitmix64's finaliser of `keys` ^ `salt`, as uint64: a hash whose every bit
-    depends on every bit of the key."""
-    shift, xor = tf.bitwise.right_shift, tf.bitwise.bitwise_xor
-    x = xor(tf.bitcast(keys, tf.uint64), tf.constant(salt, tf.uint64))
-    x = xor(x, shift(x, tf.constant(30, tf.uint64))) * tf.constant(0xBF58476D1CE4E5B9, tf.uint64)
-    x = xor(x, shift(x, tf.constant(27, tf.uint64))) * tf.constant(0x94D049BB133111EB, tf.uint64)
-    return xor(x, shift(x, tf.constant(31, tf.uint64)))
-
-
-def _top_bits(x, bits):
-    """The top `bits` bits of uint64 `x`, as int64."""
-    return tf.bitcast(tf.bitwise.right_shift(x, tf.constant(64 - bits, tf.uint64)), tf.int64)
-
-
 def held_on(rows, shard, num_shards):
     """Which of `rows` (-1: none) shard `shard` of `num_shards` holds (rows k::S)."""
     if num_shards == 1:
@@ -115,14 +102,15 @@ def initial_rows(keys, dim, initializer, seed, dtype):
     if kind == "constant":
         return tf.fill(tf.stack([tf.size(keys), dim]), tf.cast(a, dtype))
     columns = tf.range(1, dim + 1, dtype=tf.int64) * np.int64(0x9E3779B97F4A7C1)
-    salted = tf.bitwise.bitwise_xor(tf.bitcast(_mix(keys, seed), tf.int64)[:, None],
+    mix, top_bits = remap_ops.mix, remap_ops.top_bits
+    salted = tf.bitwise.bitwise_xor(tf.bitcast(mix(keys, seed), tf.int64)[:, None],
                                     columns[None, :])
     # 53 random bits per value, in (0, 1).
-    uniform = (tf.cast(_top_bits(_mix(salted), 53), tf.float64) + 0.5) * 2.0 ** -53
+    uniform = (tf.cast(top_bits(mix(salted), 53), tf.float64) + 0.5) * 2.0 ** -53
     if kind == "uniform":
         values = a + (b - a) * uniform
     else:
-        other = (tf.cast(_top_bits(_mix(salted, 0x5851F42D4C957F2D), 53), tf.float64)
+        other = (tf.cast(top_bits(mix(salted, 0x5851F42D4C957F2D), 53), tf.float64)
                  + 0.5) * 2.0 ** -53
         values = a + b * tf.sqrt(-2.0 * tf.math.log(uniform)) * tf.cos(2.0 * np.pi * other)
     return tf.cast(values, dtype)
@@ -148,27 +136,6 @@ def _exported(table):
     return tf.reshape(keys, [-1]), tf.reshape(values, [-1])
 
 
-def _rarely(pred, true_fn, false_fn):
-    """`tf.cond` of a branch a step takes rarely (an eviction pass): in a traced function,
-    one op that runs the branch taken, as a function of its own. TensorFlow otherwise
-    lowers a cond to the ops of both branches, and the step passes the dead ones through
-    the executor one by one, every time: about 270 ops of each table's step."""
-    out = tf.cond(pred, true_fn, false_fn)
-    if not tf.executing_eagerly():
-        op = tf.nest.flatten(out)[0].op
-        while op.type not in ("If", "StatelessIf"):  # through the outputs' identities
-            op = op.inputs[0].op
-        # TF-private: the attribute that tells TensorFlow to lower an If op
-        # (`control_flow_util_v2.maybe_set_lowering_attr`); tf.cond has no argument for it.
-        op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
-    return out
-
-
-def _variable(value, device, name):
-    with tf.device(device):
-        return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
-
-
 # A training step's decisions (`Remap.decide`): each distinct key's row (-1: none),
 # per shard after the first the keys evicted from its rows, and the rows admitted ids
 # were given, with their keys.
@@ -187,14 +154,20 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         min_count: Occurrences before an id is admitted (1: at first sight).
         policy: "lru" or "lfu": which rows go when rows run out.
         max_age: Steps without a sighting after which an id is evicted (None: never).
-        max_waiting: Ids kept waiting for admission at most (None: the capacity).
+        max_waiting: Ids kept waiting for admission at most (None: the capacity);
+            with a sketch, the ids it is sized for.
         headroom: Rows evicted beyond the shortfall, when rows run out (None:
             capacity // 8).
+        admission: "exact": a waiting id's count in the first shard's map; "sketch":
+            in a `sketch.WaitingSketch` beside it, of a fixed size.
+        admission_error: With a sketch, the odds that an id is admitted before its
+            `min_count`-th sighting, at most.
         name: A name for the state's variables.
     """
 
     def __init__(self, capacity, devices, min_count=1, policy="lru", max_age=None,
-                 max_waiting=None, headroom=None, name="remap"):
+                 max_waiting=None, headroom=None, admission="exact", admission_error=0.01,
+                 name="remap"):
         self.name = name
         self.capacity = int(capacity)
         self.devices = tuple(devices)
@@ -211,18 +184,23 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                 self.shards.append(tf.lookup.experimental.MutableHashTable(
                     tf.int64, tf.int64, default_value=tf.constant(-1, tf.int64),
                     name=f"{name}_shard_{k}"))
-        home = self.devices[0]
+        home, variable = self.devices[0], remap_ops.variable
         # Rows are popped from the end: 0, 1, 2, ... first.
-        self.free = _variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
-                              f"{name}_free")
+        self.free = variable(tf.range(self.capacity - 1, -1, -1, dtype=tf.int64), home,
+                             f"{name}_free")
         # One spare record at the end, written for ids without a row and never read.
-        self.rows = _variable(tf.fill([self.capacity + 1, 3], np.int64(-1)), home,
-                              f"{name}_rows")
-        self.num_free = _variable(tf.constant(self.capacity, tf.int64), home,
-                                  f"{name}_num_free")
-        self.step = _variable(tf.constant(0, tf.int64), home, f"{name}_step")
-        self.admissions = _variable(tf.constant(0, tf.int64), home, f"{name}_admissions")
-        self.evictions = _variable(tf.constant(0, tf.int64), home, f"{name}_evictions")
+        self.rows = variable(tf.fill([self.capacity + 1, 3], np.int64(-1)), home,
+                             f"{name}_rows")
+        self.num_free = variable(tf.constant(self.capacity, tf.int64), home,
+                                 f"{name}_num_free")
+        self.step = variable(tf.constant(0, tf.int64), home, f"{name}_step")
+        self.admissions = variable(tf.constant(0, tf.int64), home, f"{name}_admissions")
+        self.evictions = variable(tf.constant(0, tf.int64), home, f"{name}_evictions")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission={admission!r}; use one of {ADMISSIONS}.")
+        # Waiting ids are counted where the decisions are taken.
+        self.sketch = None if admission == "exact" else sketch_lib.WaitingSketch(
+            self.max_waiting, self.min_count, admission_error, home, name)
 
     # Reads -----------------------------------------------------------------------
 
@@ -328,9 +306,16 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
             return rows, keys
 
     def _decide(self, distinct, count, values, entries):
-        step = self.step.assign_add(1)
+        # A step counts once its ids came: a call that finds its dataset at an end (of
+        # unknown length) fails before then and counts no step.
+        with tf.control_dependencies([distinct, count]):
+            step = self.step.assign_add(1)
         new_to_map = tf.reduce_sum(tf.cast(tf.equal(values, -1), tf.int64))
         row, count_before, _ = self._state(values)
+        if self.sketch is not None:  # waiting ids' counts: the sketch's
+            waiting = tf.where(row < 0)
+            count_before = tf.tensor_scatter_nd_update(
+                count_before, waiting, self.sketch.estimate(tf.gather_nd(distinct, waiting)))
         count = count_before + count
         # Rows held before this step: seen now, so never evicted by its pass.
         seen = self._note_rows(row, distinct, count, step)
@@ -358,16 +343,21 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         is_admitted = tf.scatter_nd(admitted[:, None], tf.ones_like(admitted, tf.bool),
                                     tf.shape(distinct, out_type=tf.int64))
         # One write of the first shard's map: the step's ids still waiting (ids the pass
-        # forgot stay out of it) and those given one of its rows; admitted ids' counts and
-        # steps are in their rows' records.
+        # forgot stay out of it; with a sketch, they are counted there instead) and those
+        # given one of its rows; admitted ids' counts and steps are in their rows' records.
         here = held_on(row, 0, len(self.shards))
-        written = tf.where((kept & (row < 0)) | (is_admitted & here))[:, 0]
+        if self.sketch is None:
+            written = tf.where((kept & (row < 0)) | (is_admitted & here))[:, 0]
+        else:
+            written = tf.where(is_admitted & here)[:, 0]
+            self.sketch.add(tf.boolean_mask(distinct, row < 0),
+                            tf.boolean_mask(count, row < 0))
         self.shards[0].insert(tf.gather(distinct, written), _packed(
             tf.gather(row, written), tf.gather(count, written), step))
         evicted = []
         if len(self.shards) > 1:
-            # Ids given a row of another shard wait no more here.
-            self.shards[0].remove(tf.boolean_mask(distinct, is_admitted & ~here))
+            if self.sketch is None:  # ids given a row of another shard wait no more here
+                self.shards[0].remove(tf.boolean_mask(distinct, is_admitted & ~here))
             shard = tf.cast(evicted_rows % len(self.shards), tf.int32)
             evicted = tf.dynamic_partition(evicted_keys, shard, len(self.shards))[1:]
         return Decision(row, evicted, new_rows, new_keys)
@@ -385,17 +375,22 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         waiting), and the keys and rows of the ids evicted from other shards' rows (the
         first shard forgets its own). Waiting ids are only in the first shard's map: it
         is exported, with the step's `record` of its ids ((rows, counts, this step),
-        written first), when some of them may go (they age, or are too many)."""
-        waiting = entries - (self.capacity - self.num_free.read_value())
-        forget = waiting > self.max_waiting
-        due = (shortfall > 0) | forget
+        written first), when some of them may go (they age, or are too many). With a
+        sketch, no waiting id is in a map (`forget` None)."""
+        due, forget = shortfall > 0, None
+        if self.sketch is None:
+            waiting = entries - (self.capacity - self.num_free.read_value())
+            forget = waiting > self.max_waiting
+            due |= forget
         if self.max_age is not None:
             aging = tf.equal(step % (self.max_age // 4 + 1), 0)
-            forget |= aging & (waiting > 0)
+            if forget is not None:
+                forget |= aging & (waiting > 0)
             due |= aging
         none = tf.zeros([0], tf.int64)
-        return _rarely(due, lambda: self._evict_now(step, shortfall, forget, distinct, record),
-                       lambda: (tf.ones_like(distinct, tf.bool), none, none))
+        return remap_ops.rarely(
+            due, lambda: self._evict_now(step, shortfall, forget, distinct, record),
+            lambda: (tf.ones_like(distinct, tf.bool), none, none))
 
     def _evict_now(self, step, shortfall, forget, distinct, record):
         rows = self.rows.read_value()[:self.capacity]
@@ -421,8 +416,10 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                    tf.fill(tf.stack([num_freed, 3]), np.int64(-1)), freed)),
                self.shards[0].remove(tf.boolean_mask(freed_keys, here))]
         with tf.control_dependencies(ops):
-            kept = tf.cond(forget, lambda: self._forget_waiting(step, distinct, record),
-                           lambda: tf.ones_like(distinct, tf.bool))
+            kept = tf.ones_like(distinct, tf.bool)
+            if forget is not None:
+                kept = tf.cond(forget, lambda: self._forget_waiting(step, distinct, record),
+                               lambda: kept)
         return kept, tf.boolean_mask(freed_keys, ~here), tf.boolean_mask(freed, ~here)
 
     def _forget_waiting(self, step, distinct, record):
@@ -483,9 +480,13 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
 
     def _snapshot_tensors(self):
         keys, values = self.entries()
-        return {"keys": keys, "values": values, "free": self.free[:self.num_free.read_value()],
-                "counters": tf.stack([self.step.read_value(), self.admissions.read_value(),
-                                      self.evictions.read_value()])}
+        tensors = {"keys": keys, "values": values,
+                   "free": self.free[:self.num_free.read_value()],
+                   "counters": tf.stack([self.step.read_value(), self.admissions.read_value(),
+                                         self.evictions.read_value()])}
+        if self.sketch is not None:
+            tensors.update(self.sketch.state())
+        return tensors
 
     def snapshot(self):
         """Every key and its [row, count, last], the free rows and counters, as numpy."""
@@ -495,6 +496,9 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         """Replaces the map's state with `snapshot`'s (numpy arrays or tensors), over
         this map's shards, whose number may differ from the saving map's. Runs in
         eager mode and in a tf.function (restores on a cluster)."""
+        if self.sketch is None and "sketch" in snapshot:
+            raise ValueError(f"{self.name}: the snapshot holds an admission sketch: it was "
+                             "saved with admission='sketch'; restore it into such a table.")
         with tf.device(self.devices[0]):
             values = tf.reshape(tf.convert_to_tensor(snapshot["values"], tf.int64), [-1, 3])
             free = tf.convert_to_tensor(snapshot["free"], tf.int64)
@@ -531,6 +535,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
                                                 read_value=False)]
                 writes += [v.assign(counters[i], read_value=False) for i, v in enumerate(
                     (self.step, self.admissions, self.evictions))]
+                if self.sketch is not None:
+                    writes.append(self.sketch.restore(snapshot))
             return tf.group(writes)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):

@@ -33,7 +33,6 @@ print(tf.gather(t, [4, 1, 4]))   # row 4 (the first shard's third), 1 (the secon
 ```
 """
 
-import collections
 import contextlib
 import random
 import threading
