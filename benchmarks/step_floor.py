@@ -11,7 +11,7 @@ gradients' bytes, and the unique rows one worker's share of the global batch tou
          the ps and returns one scalar: what every step pays, whatever it computes;
   rows   + each worker sends its row ids to the ps, gets the rows back and sends their
          gradients, which the ps adds to its table at the ids it kept: the hybrid's
-         lookup and push, one tensor each way per exchange (communication/wire.py);
+         lookup and push, one tensor each way per exchange (sharding/wire.py);
   sum    + the workers' dense gradients ride with their push to the ps, which sums
          them and sends each worker the sum, as the hybrid sums a small dense part
          (communication/hierarchical_allreduce.py `sum_on_ps_pays`; none with one
@@ -64,7 +64,7 @@ def _floor_functions(tf, extended, dense_floats, rows, width):
     and check(calls), which raises unless the variables hold what `calls` ({name: count})
     calls of each function made."""
     # pylint: disable=import-outside-toplevel
-    from hybrid_strategy.communication import wire
+    from hybrid_strategy.sharding import wire
 
     workers, ps = extended.worker_devices, "/job:ps/replica:0/task:0/device:CPU:0"
     count = len(workers)

@@ -30,7 +30,7 @@ _EXPORTS = {
     "Shard": "hybrid_strategy.placement.plan",
     "HybridStrategy": "hybrid_strategy.strategy",
     "InputShardingWarning": "hybrid_strategy.input.worker_input",
-    "PlacementWarning": "hybrid_strategy.placement.plan",
+    "PlacementWarning": "hybrid_strategy.errors",
     "UnsupportedOptimizerError": "hybrid_strategy.tables.sparse_optimizers",
 }
 

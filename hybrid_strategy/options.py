@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import numbers
 
-from hybrid_strategy.communication import wire
+from hybrid_strategy.sharding import wire
 from hybrid_strategy.placement import plan as placement_lib
 from hybrid_strategy.placement import topology
 from hybrid_strategy.tables import sparse_optimizers

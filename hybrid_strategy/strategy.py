@@ -47,7 +47,7 @@ from hybrid_strategy.cluster import config as cluster_lib
 from hybrid_strategy.cluster import connection
 from hybrid_strategy.cluster import data_service
 from hybrid_strategy.cluster import liveness
-from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.communication import aggregation
 from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.communication import riders
 from hybrid_strategy.communication import routing
@@ -58,6 +58,7 @@ from hybrid_strategy.keras_integration import collective_hooks
 from hybrid_strategy.keras_integration import install
 from hybrid_strategy.placement import topology as topology_lib
 from hybrid_strategy.placement import variables
+from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import mirrored_reads
 from hybrid_strategy.tables import table as table_lib
 from hybrid_strategy.tables import updates
@@ -227,7 +228,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._devices = tuple(worker_devices)
         hosts = {}
         for device in self._devices:
-            hosts.setdefault(communication.host_of(device), []).append(device)
+            hosts.setdefault(wire.host_of(device), []).append(device)
         self._input_workers_devices = tuple(
             (host, tuple(replicas)) for host, replicas in hosts.items())
         # What the executors are given instead of the strategy (placement/topology.py).
@@ -241,7 +242,7 @@ class HybridExtended(mirrored_strategy.MirroredExtended):
         self._is_multi_worker_training = config is not None
         self._communication_options = collective_util.Options()
         self._collective_ops = self._make_collective_ops_with_fallbacks()
-        chosen = communication.dense_options(self._devices, config is not None)
+        chosen = aggregation.dense_options(self._devices, config is not None)
         if chosen is not None:
             self._communication_options = self._communication_options.merge(chosen)
         # TF-private: the per-replica collective launchers of CollectiveAllReduce.

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.tables import table as table_lib
 
 pytestmark = pytest.mark.cluster
@@ -57,7 +58,7 @@ def test_sum_sparse_sums_every_row_once_per_shard(prefixes_per_replica, counts):
 def test_merge_duplicates_sums_repeated_rows():
     slices = tf.IndexedSlices(tf.constant([[1.0], [2.0], [4.0]]), tf.constant([3, 0, 3]),
                               tf.constant([5, 1]))
-    merged = communication.merge_duplicates(slices)
+    merged = sharding.merge_duplicates(slices)
     assert merged.indices.numpy().tolist() == [3, 0]
     np.testing.assert_array_equal(merged.values.numpy(), [[5.0], [2.0]])
 

@@ -27,6 +27,7 @@ import tf_keras
 import hybrid_strategy
 import optimizer_references as references
 from hybrid_strategy.tables import sparse_optimizers as so
+from hybrid_strategy.tables import table as table_lib
 from optimizer_references import error, scaled, values
 
 ROWS, DIM, SEQ, BATCH, STEPS, SHARDS = 16, 3, 3, 4, 4, 3
@@ -172,11 +173,11 @@ def test_every_optimizer_trains_a_sharded_table_as_documented(strategy, name):
         step(ids[s], targets[s])
     reference, reference_optimizer = train_reference(flavour, factory, tied, weights, ids,
                                                      targets, lazy)
-    table = so._table_behind(model.embedding.embeddings)
+    table = table_lib.table_behind(model.embedding.embeddings)
     assert table.num_shards == SHARDS
     slots = table_slots(optimizer)
-    assert all(so._table_behind(s).num_shards == SHARDS for s in slots)
-    assert so._table_behind(model.dense.kernel) is None  # mirrored
+    assert all(table_lib.table_behind(s).num_shards == SHARDS for s in slots)
+    assert table_lib.table_behind(model.dense.kernel) is None  # mirrored
     expected = [values(v) for v in reference.variables + table_slots(reference_optimizer)]
     actual = [values(v) for v in model.variables + slots]
     assert len(actual) == len(expected)
@@ -207,7 +208,7 @@ def test_lazy_steps_move_only_the_steps_rows(strategy):
     graph = step.get_concrete_function(ids[0], targets[0]).graph
     captured = {id(external): internal for external, internal in graph.captures}
     ops = set()
-    for shard in so._table_behind(model.variables[0]).shards:
+    for shard in table_lib.table_behind(model.variables[0]).shards:
         handle = captured[id(shard.handle)]
         ops |= {op.type for op in graph.get_operations()
                 if any(t is handle for t in op.inputs)}

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import hybrid_strategy
+from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.tables import sparse_optimizers
 from hybrid_strategy.tables import table as table_lib
 
@@ -73,17 +74,17 @@ def test_rows_standing_in_for_a_table_are_this_threads_alone():
 
 def test_rows_are_dealt_over_the_shards_and_joined_back():
     whole = np.arange(14.0).reshape(7, 2)
-    parts = table_lib.split_dense(tf.constant(whole), 3)
+    parts = sharding.split_dense(tf.constant(whole), 3)
     assert [p.numpy()[:, 0].tolist() for p in parts] == [[0, 6, 12], [2, 8], [4, 10]]
-    np.testing.assert_array_equal(table_lib.join_dense(parts).numpy(), whole)
+    np.testing.assert_array_equal(sharding.join_dense(parts).numpy(), whole)
     table = table_lib.ShardedTable([tf.Variable(p) for p in parts], "t/embeddings")
     np.testing.assert_array_equal(table.numpy(), whole)
     table.assign(whole + 1)
     np.testing.assert_array_equal(tf.convert_to_tensor(table).numpy(), whole + 1)
     slices = tf.IndexedSlices(tf.constant([[1.0], [2.0], [3.0]]), tf.constant([4, 3, 6]))
-    local = table_lib.split_slices(slices, 3)
+    local = sharding.split_slices(slices, 3)
     assert [p.indices.numpy().tolist() for p in local] == [[1, 2], [1], []]  # 3, 6 | 4 | -
-    joined = table_lib.join_slices(local, [7, 1])
+    joined = sharding.join_slices(local, [7, 1])
     assert sorted(zip(joined.indices.numpy().tolist(), joined.values.numpy()[:, 0])) == [
         (3, 2.0), (4, 1.0), (6, 3.0)]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hybrid_strategy.communication import wire
+from hybrid_strategy.sharding import wire
 from runs import json_report, on_cluster
 from test_dense_grads import MOVED
 

@@ -12,11 +12,12 @@ the collective all-reduce for what the PS does not sum.
 
 ```python
 import tensorflow as tf
-
-from hybrid_strategy.communication import aggregation as communication
-from hybrid_strategy.tables import table as table_lib
+from hybrid_strategy.communication import aggregation
+from hybrid_strategy.tables import table
+t = table.ShardedTable([tf.Variable(tf.zeros((3, 2))), tf.Variable(tf.zeros((2, 2)))], "emb")
 g = tf.IndexedSlices(tf.ones((3, 2)), tf.constant([4, 1, 4]), tf.constant([5, 2]))
-print(communication.merge_duplicates(g).indices)   # [4 1]; row 4 summed twice
+(sums,) = aggregation.sum_sparse([([g], t)], ["/cpu:0"])
+print([s.indices.numpy() for s in sums])   # [2] and [0]: row 4 once, summed twice
 ```
 """
 
@@ -24,25 +25,9 @@ import collections
 
 import tensorflow as tf
 
-from hybrid_strategy.communication import wire
+from hybrid_strategy.sharding import rows as sharding
+from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import table as table_lib
-
-
-def merge_duplicates(slices):
-    """Returns `slices` with each row index once and its values summed."""
-    unique, positions = tf.unique(slices.indices)
-    values = tf.math.unsorted_segment_sum(slices.values, positions, tf.shape(unique)[0])
-    return tf.IndexedSlices(values, unique, slices.dense_shape)
-
-
-def concat_slices(slices_list):
-    if len(slices_list) == 1:
-        return slices_list[0]
-    return tf.IndexedSlices(
-        tf.concat([s.values for s in slices_list], 0),
-        tf.concat([s.indices for s in slices_list], 0),
-        slices_list[0].dense_shape,
-    )
 
 
 def dense_options(devices, on_cluster):
@@ -65,16 +50,10 @@ def dense_options(devices, on_cluster):
     return None
 
 
-def host_of(device):
-    """'/job:worker/replica:0/task:1/device:GPU:0' -> its task's CPU device."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.replace(device_type="CPU", device_index=0).to_string()
-
-
 def _by_host(replica_values, replica_devices):
     by_host = collections.OrderedDict()
     for value, replica_device in zip(replica_values, replica_devices):
-        by_host.setdefault(host_of(replica_device), []).append(value)
+        by_host.setdefault(wire.host_of(replica_device), []).append(value)
     return by_host.items()
 
 
@@ -125,7 +104,7 @@ class Push:
         for host, host_values in _by_host(replica_values, self._replica_devices):
             with tf.device(host), tf.name_scope("local_aggregation"):
                 total = tf.add_n(host_values) if len(host_values) > 1 else host_values[0]
-                for k, part in enumerate(table_lib.split_dense(total, table.num_shards)):
+                for k, part in enumerate(sharding.split_dense(total, table.num_shards)):
                     parts[k].append(self.put(host, table.shards[k].device, part))
         self._tables.append((table, parts))
         return len(self._tables) - 1
@@ -149,7 +128,7 @@ class Push:
     @property
     def first_worker(self):
         """The first replica's worker (its CPU device)."""
-        return host_of(self._replica_devices[0])
+        return wire.host_of(self._replica_devices[0])
 
     def deliver(self):
         """Sends everything; `arrived(ticket)` and the sums are then at hand."""
@@ -169,7 +148,7 @@ class Push:
                                wire.from_wire(self.arrived(values), table.dtype),
                                self.arrived(ids) if isinstance(ids, tuple) else ids)
                            for ids, values in parts[k]]
-                sums.append(merge_duplicates(concat_slices(arrived)))
+                sums.append(sharding.merge_duplicates(sharding.concat_slices(arrived)))
         return sums
 
     def dense_sums(self, number):
@@ -197,9 +176,9 @@ def _shard_parts(host_slices, table):
                       tf.dynamic_partition(slices.values, shard, table.num_shards))
             return True, list(zip(ids, values))
     else:
-        slices = merge_duplicates(concat_slices(host_slices))
+        slices = sharding.merge_duplicates(sharding.concat_slices(host_slices))
     return False, [(part.indices, part.values)
-                   for part in table_lib.split_slices(slices, table.num_shards)]
+                   for part in sharding.split_slices(slices, table.num_shards)]
 
 
 def sum_sparse(gradients, replica_devices):
@@ -216,33 +195,3 @@ def sum_sparse(gradients, replica_devices):
     numbers = [push.add_sparse(replica_slices, table) for replica_slices, table in gradients]
     push.deliver()
     return [push.sparse_sums(number) for number in numbers]
-
-
-def join_shards(shard_sums, table):
-    """One table-wide gradient from per-shard sums (global row ids for slices)."""
-    if not isinstance(shard_sums[0], tf.IndexedSlices):
-        return table_lib.join_dense(shard_sums) if len(shard_sums) > 1 else shard_sums[0]
-    return table_lib.join_slices(shard_sums, table.shape)
-
-
-def shard_summed(shard_sums, table):
-    """The table-wide sum, carrying its per-shard parts for `shard_sums_of`.
-
-    The table-wide sum is what an all-reduce promises; the update and clipping
-    use the per-shard sums where they are, so the joined one is built only if
-    something else reads it.
-    """
-    total = join_shards(shard_sums, table)
-    total._hybrid_shard_sums = tuple(shard_sums)
-    total._hybrid_table = table
-    return total
-
-
-def shard_sums_of(gradient):
-    """The per-shard sums of a `shard_summed` gradient, else None."""
-    return getattr(gradient, "_hybrid_shard_sums", None)
-
-
-def table_of_sum(gradient):
-    """The PS table of a `shard_summed` gradient."""
-    return gradient._hybrid_table

@@ -15,7 +15,7 @@ shard's rows are scaled or clipped on its PS, so clipping moves no table rows.
 
 import tensorflow as tf
 
-from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.sharding import rows as sharding
 
 
 def clip(grads, clipnorm=None, global_clipnorm=None, clipvalue=None):
@@ -23,7 +23,7 @@ def clip(grads, clipnorm=None, global_clipnorm=None, clipvalue=None):
 
     Args:
         grads: Gradients (tensors, `tf.IndexedSlices` with distinct rows, PS
-            table sums from `communication.shard_summed`, or None).
+            table sums from `sharding.shard_summed`, or None).
         clipnorm: Each gradient is scaled to an L2 norm of at most this.
         global_clipnorm: All gradients are scaled together to a joint L2 norm of
             at most this.
@@ -54,10 +54,10 @@ def _norm_factor(squared_norm, clipnorm):
 
 def _parts(gradient):
     """(part, device) pairs: a PS table's per-shard sums, else the gradient itself."""
-    sums = communication.shard_sums_of(gradient)
+    sums = sharding.shard_sums_of(gradient)
     if sums is None:
         return [(gradient, None)]
-    shards = communication.table_of_sum(gradient).shards
+    shards = sharding.table_of_sum(gradient).shards
     return [(part, shard.device) for part, shard in zip(sums, shards)]
 
 
@@ -86,9 +86,9 @@ def _map_values(gradient, fn):
                 parts.append(tf.IndexedSlices(fn(part.values), part.indices, part.dense_shape))
             else:
                 parts.append(fn(part))
-    if communication.shard_sums_of(gradient) is None:
+    if sharding.shard_sums_of(gradient) is None:
         return parts[0]
-    return communication.shard_summed(parts, communication.table_of_sum(gradient))
+    return sharding.shard_summed(parts, sharding.table_of_sum(gradient))
 
 
 def clips(optimizer):

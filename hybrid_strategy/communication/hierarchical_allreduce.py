@@ -46,7 +46,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops
 from tensorflow.python.distribute import cross_device_utils
 
-from hybrid_strategy.communication import aggregation as communication
+from hybrid_strategy.sharding import wire
 
 # Up to this many bytes per replica, workers sum in the step's graph, not by collective ops.
 SMALL_BYTES = 512 * 1024
@@ -75,7 +75,7 @@ def applies(devices, implementation):
     """
     if not on_cpus(devices, implementation):
         return False
-    hosts = collections.Counter(communication.host_of(d) for d in devices)
+    hosts = collections.Counter(wire.host_of(d) for d in devices)
     return max(hosts.values()) > 1 or _power_of_two(len(hosts))
 
 
@@ -95,7 +95,7 @@ class HierarchicalAllReduce:
         self._devices = tuple(devices)
         self._hosts = collections.OrderedDict()
         for index, device in enumerate(self._devices):
-            self._hosts.setdefault(communication.host_of(device), []).append(index)
+            self._hosts.setdefault(wire.host_of(device), []).append(index)
         leaders = [self._devices[indices[0]] for indices in self._hosts.values()]
         self._leaders = leaders
         self._options = options

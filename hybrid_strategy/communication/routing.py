@@ -16,7 +16,8 @@ from tensorflow.python.distribute import values as values_lib
 from hybrid_strategy.communication import aggregation as communication
 from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.communication import riders
-from hybrid_strategy.communication import wire
+from hybrid_strategy.sharding import rows as sharding
+from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import penalties
 from hybrid_strategy.tables import table as table_lib
 
@@ -99,7 +100,7 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
                        for shard in table.shards], table)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             sums = [_scaled(s, 1.0 / topology.num_replicas) for s in sums]
-        total = communication.shard_summed(sums, table)
+        total = sharding.shard_summed(sums, table)
         results[i] = values_lib.Mirrored((total,) * topology.num_replicas)
         aggregated.append(table.path)
     if on_ps:
@@ -210,19 +211,5 @@ def _merge_duplicate_rows(value):
     merged = []
     for component in parts:
         with tf.device(component.values.device):
-            merged.append(communication.merge_duplicates(component))
+            merged.append(sharding.merge_duplicates(component))
     return values_lib.Mirrored(tuple(merged))
-
-
-def shard_gradients(grad, table):
-    """The step's gradient of `table`, one part per shard with shard-local rows."""
-    sums = communication.shard_sums_of(grad)
-    if sums is not None:
-        return list(sums)
-    if isinstance(grad, tf.IndexedSlices):
-        (grad,), penalty = penalties.without_markers([grad], table)
-        parts = table_lib.split_slices(communication.merge_duplicates(grad), table.num_shards)
-        return penalties.with_gradient(
-            parts, None if penalty is None else [penalty] * table.num_shards, table)
-    penalties.check_not_dropped(table)
-    return table_lib.split_dense(grad, table.num_shards)

@@ -169,4 +169,4 @@ def _registered(layer):
 def _takes_part(layer, keras):
     return (type(layer) is keras.layers.Embedding  # pylint: disable=unidiomatic-typecheck
             and not layer.lora_enabled and not layer.quantization_mode
-            and table_lib.is_table(getattr(layer.embeddings, "_value", None)))
+            and table_lib.table_behind(layer.embeddings) is not None)

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.tables import checkpointing
+from hybrid_strategy.tables import table as table_lib
 
 
 def install():
@@ -114,7 +115,7 @@ def _assign_streaming(original):
     @functools.wraps(original)
     def assign(self, value):
         if isinstance(value, checkpointing.StoredRows):
-            table = checkpointing.table_of(self)
+            table = table_lib.table_behind(self)
             if table is not None:
                 checkpointing.read_h5(value.dataset, table)
                 return self
@@ -129,7 +130,7 @@ def _store_setitem(original):
 
     @functools.wraps(original)
     def setitem(self, key, value):
-        table = checkpointing.table_of(value)
+        table = table_lib.table_behind(value)
         if table is None or self.mode not in ("w", "a"):
             return original(self, key, value)
         if not self._h5_entry_initialized:
@@ -183,10 +184,10 @@ def _save_tables_unread(save_own_variables):
     @functools.wraps(save_own_variables)
     def save_tables_unread(self, store):
         variables = list(self.variables)
-        if not any(checkpointing.table_of(v) is not None for v in variables):
+        if not any(table_lib.table_behind(v) is not None for v in variables):
             return save_own_variables(self, store)
         return save_own_variables(_WithVariables(self, [
-            _Unread(v) if checkpointing.table_of(v) is not None else v for v in variables]),
+            _Unread(v) if table_lib.table_behind(v) is not None else v for v in variables]),
             store)
 
     return save_tables_unread

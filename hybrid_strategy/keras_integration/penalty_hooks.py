@@ -50,7 +50,7 @@ def install():
 
 def _penalized(weight):
     return (weight.regularizer is not None
-            and table_lib.is_table(getattr(weight, "_value", None)))
+            and table_lib.table_behind(weight) is not None)
 
 
 class _WithTablePenalties:

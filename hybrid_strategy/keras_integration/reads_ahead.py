@@ -78,7 +78,7 @@ def _read_whole(function):
     for nodes in function._nodes_by_depth.values():
         for node in nodes:
             for weight in getattr(node.operation, "weights", ()):
-                value = getattr(weight, "_value", None)
-                if table_lib.is_table(value) and table_lib.reads_whole(value):
-                    tables[id(value)] = value
+                table = table_lib.table_behind(weight)
+                if table is not None and table_lib.reads_whole(table):
+                    tables[id(table)] = table
     return list(tables.values())

@@ -1,9 +1,9 @@
 """Decides where each variable lives: mirrored on every worker device, or on a PS task.
 
-Pure Python: no TensorFlow, so the rules can be read and tested on their own. The
-strategy's variable creator describes each new variable as a `VariableInfo` and asks
-a `PlacementPolicy` for a `Placement`; the policy keeps every decision in a
-`PlacementPlan` that users can print.
+Its rules read names, shapes and sizes, no tensors, so they can be read and tested on
+their own. The strategy's variable creator describes each new variable as a
+`VariableInfo` and asks a `PlacementPolicy` for a `Placement`; the policy keeps every
+decision in a `PlacementPlan` that users can print.
 
 ```python
 policy = PlacementPolicy("hybrid", num_ps=2)
@@ -17,6 +17,8 @@ import dataclasses
 import fnmatch
 import json
 import math
+
+from hybrid_strategy.sharding.rows import shard_rows
 
 ARCHITECTURES = ("hybrid", "allreduce", "ps")
 MIRRORED = "mirrored"
@@ -34,10 +36,6 @@ DEFAULT_MAX_MIRRORED_BYTES = 1 << 31
 
 # Layer classes whose weights are read by row (their gradients are IndexedSlices).
 SPARSE_LAYER_CLASSES = ("Embedding", "DynamicEmbedding")
-
-
-class PlacementWarning(UserWarning):
-    """A variable's placement does not fit the type of gradient it receives."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +65,6 @@ class VariableInfo:
         if self.shape is None:
             return 0
         return math.prod(int(d) for d in self.shape) * self.itemsize
-
-
-def shard_rows(rows, num_shards):
-    """Rows of each of `num_shards` shards of a `rows`-row table, shard k holding k::S."""
-    return [len(range(k, rows, num_shards)) for k in range(num_shards)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,10 +25,12 @@ from tensorflow.python.distribute import distribute_utils
 # the shards of a table that replaces a mirrored variable during a traced step.
 from tensorflow.python.ops import resource_variable_ops
 
+from hybrid_strategy import errors
 from hybrid_strategy.asynchronous import training as asynchronous_lib
 from hybrid_strategy.placement import creation
 from hybrid_strategy.placement import mirroring
 from hybrid_strategy.placement import plan as placement_lib
+from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.tables import table as table_lib
 
 
@@ -131,7 +133,7 @@ class Placer:
         name = kwargs.get("name") or path.rsplit("/", 1)[-1]
         shards = []
         for k, (device, rows, initial_value) in enumerate(
-                zip(devices, placement_lib.shard_rows(tf.TensorShape(shape)[0], len(devices)),
+                zip(devices, sharding.shard_rows(tf.TensorShape(shape)[0], len(devices)),
                     initial_values)):
             shard_kwargs = dict(kwargs, initial_value=initial_value,
                                 name=f"{name}/part_{k}" if len(devices) > 1 else name)
@@ -296,12 +298,12 @@ class Placer:
                 f"HybridStrategy: placement_overrides pattern(s) {unmatched} match no "
                 "variable. Patterns match a variable's path as in model.weights, its "
                 f"'layer/variable' tail, or a layer name on the path; known paths: "
-                f"{known or '(none)'}.", placement_lib.PlacementWarning, stacklevel=3)
+                f"{known or '(none)'}.", errors.PlacementWarning, stacklevel=3)
 
 
 def _warn_misfit(path, advice):
     warnings.warn(f"HybridStrategy: variable '{path}' {advice}. Training stays correct.",
-                  placement_lib.PlacementWarning, stacklevel=4)
+                  errors.PlacementWarning, stacklevel=4)
 
 
 def _warn_staying(path, why):

@@ -101,14 +101,6 @@ def check_storage(file_prefix, tasks, mode):
         tf.io.gfile.remove(probe)
 
 
-def table_of(value):
-    """The ShardedTable `value` is or wraps (a Keras 3 variable), else None."""
-    if table_lib.is_table(value):
-        return value
-    inner = getattr(value, "_value", None)
-    return inner if table_lib.is_table(inner) else None
-
-
 # Keras 3 h5 files -------------------------------------------------------------------
 
 
@@ -197,4 +189,4 @@ def has_tables(model):
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     variables += list(getattr(optimizer, "variables", None) or [])
-    return any(table_of(v) is not None for v in variables)
+    return any(table_lib.table_behind(v) is not None for v in variables)

@@ -43,8 +43,7 @@ import tensorflow as tf
 # (`table.rows_read`).
 from tensorflow.python.eager import record
 
-from hybrid_strategy.communication import aggregation
-from hybrid_strategy.communication import wire
+from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import dynamic
 
 # A table's part: its `Remap`; the PS table of its rows when it is split as the map is
@@ -92,7 +91,7 @@ class _Step:
         self.table = table
         self.remap = table.remap
         self.devices = table.remap.devices
-        self.hosts = [aggregation.host_of(counted.device) for counted in table.counted]
+        self.hosts = [wire.host_of(counted.device) for counted in table.counted]
         self.arrived = None
 
     def send_keys(self, outbox):

@@ -46,7 +46,7 @@ import tensorflow as tf
 # reads (it gets the marker rows instead), as table.py's reads do.
 from tensorflow.python.eager import record
 
-from hybrid_strategy.placement import plan as placement_lib
+from hybrid_strategy import errors
 from hybrid_strategy.tables import table as table_lib
 
 # The row id of marker rows: out of every table, and dropped by densification.
@@ -226,7 +226,7 @@ def _warn_once(table, regularizer):
         "dense. Keras 3's fit moves such a table to mirrored after its first step; "
         "otherwise place it mirrored: "
         f"placement_overrides={{'{table.path}': 'mirrored'}}.",
-        placement_lib.PlacementWarning, stacklevel=3)
+        errors.PlacementWarning, stacklevel=3)
 
 
 def _describe(regularizer):
@@ -237,8 +237,8 @@ def weight_penalty(weight):
     """The regularization loss of a Keras 3 weight with a regularizer: `penalty` of
     the PS table it wraps, else (also when `penalty` returns None) its regularizer's
     value on the whole weight."""
-    value = getattr(weight, "_value", None)
-    loss = penalty(value, weight.regularizer) if table_lib.is_table(value) else None
+    table = table_lib.table_behind(weight)
+    loss = None if table is None else penalty(table, weight.regularizer)
     return weight.regularizer(weight) if loss is None else loss
 
 

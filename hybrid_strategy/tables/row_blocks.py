@@ -29,7 +29,7 @@ import tensorflow as tf
 # device of its choice (the block, on its ps).
 from tensorflow.python.training.saving import saveable_object
 
-from hybrid_strategy.placement.plan import shard_rows
+from hybrid_strategy.sharding.rows import shard_rows
 
 VARIABLE_VALUE = "VARIABLE_VALUE"
 

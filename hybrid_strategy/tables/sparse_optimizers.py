@@ -49,6 +49,7 @@ import weakref
 
 import tensorflow as tf
 
+from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.tables import mirrored_reads
 from hybrid_strategy.tables import table as table_lib
 
@@ -295,7 +296,7 @@ def check_built(optimizer, variables):
     if hasattr(optimizer, "inner_optimizer") or hasattr(optimizer, "_optimizer_map"):
         return
     for variable in variables:
-        table = _table_behind(variable)
+        table = table_lib.table_behind(variable)
         if table is not None:
             check(optimizer, table.path)
 
@@ -303,7 +304,7 @@ def check_built(optimizer, variables):
 def check_model(optimizer, variables):
     """Checks `optimizer` against every PS table among `variables` (`check`)."""
     for variable in variables:
-        table = _table_behind(variable)
+        table = table_lib.table_behind(variable)
         if table is not None:
             check(_optimizer_for(optimizer, variable), table.path)
 
@@ -312,8 +313,8 @@ def decay_tables_once(apply_weight_decay, optimizer, variables):
     """Keras 3 Muon's `apply_weight_decay(optimizer, variables)`, with the tables
     among `variables` decayed through the strategy, once (Muon's own decay assigns
     each variable in each replica: a table would decay once per replica)."""
-    tables = [_table_behind(v) for v in variables if _table_behind(v) is not None]
-    apply_weight_decay(optimizer, [v for v in variables if _table_behind(v) is None])
+    tables = [table_lib.table_behind(v) for v in variables if table_lib.table_behind(v) is not None]
+    apply_weight_decay(optimizer, [v for v in variables if table_lib.table_behind(v) is None])
     if not tables:
         return
 
@@ -350,13 +351,13 @@ class _Selection:
                              else tf.gather(shard, self.indices[i]))
         if self._whole:
             # In row order, with its static shape (Muon branches on it).
-            return tf.ensure_shape(table_lib.join_dense(parts), table.shape)
+            return tf.ensure_shape(sharding.join_dense(parts), table.shape)
         return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
 
     def write(self, table, value, added=False):
         """Writes `value` to the rows, or adds it to them with `added`."""
         if self._whole:
-            parts = table_lib.split_dense(value, table.num_shards)
+            parts = sharding.split_dense(value, table.num_shards)
         elif len(self.shards) == 1:
             parts = [value]
         else:
@@ -391,7 +392,7 @@ def _selections(table, grads, mode, kind):
             return [(_Selection(table, everything, [g.indices for g in grads]),
                      tf.concat([g for _, g in pairs], 0))]
         return [(_Selection(table, everything),
-                 tf.ensure_shape(table_lib.join_dense([g for _, g in pairs]), table.shape))]
+                 tf.ensure_shape(sharding.join_dense([g for _, g in pairs]), table.shape))]
 
 
 def _on(value, device, copy_on):
@@ -454,7 +455,7 @@ def _slots_of(optimizer, table):
     prefix = table.path + "/"
     slots = []
     for variable in optimizer.variables:
-        slot = _table_behind(variable)
+        slot = table_lib.table_behind(variable)
         if slot is not None and slot.path.startswith(prefix):
             slots.append(slot)
     return slots
@@ -481,14 +482,6 @@ def _take_deferred_decays(table):
 
 
 # Which optimizers ----------------------------------------------------------------
-
-
-def _table_behind(variable):
-    """The PS table a variable is (tf_keras) or wraps (Keras 3), else None."""
-    if table_lib.is_table(variable):
-        return variable
-    value = getattr(variable, "_value", None)
-    return value if table_lib.is_table(value) else None
 
 
 def _flavour(optimizer):

@@ -57,8 +57,8 @@ from tensorflow.python.util import dispatch
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.saved_model import save_context
 
-from hybrid_strategy.communication import wire
-from hybrid_strategy.placement.plan import shard_rows
+from hybrid_strategy.sharding import rows as sharding
+from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import row_blocks
 
 # graph -> {name of a lookup's unique ids or of a read's gradient: its table}
@@ -117,10 +117,10 @@ class ShardedTable(tf.Variable):
         self.path = path
         self._name = name or path.rsplit("/", 1)[-1]
         rows = [int(s.shape[0]) for s in self.shards]
-        if rows != shard_rows(sum(rows), len(rows)):
+        if rows != sharding.shard_rows(sum(rows), len(rows)):
             raise ValueError(
                 f"table {path}: shards of {rows} rows cannot hold rows k::{len(rows)} of "
-                f"{sum(rows)} rows; shard k needs {shard_rows(sum(rows), len(rows))}[k].")
+                f"{sum(rows)} rows; shard k needs {sharding.shard_rows(sum(rows), len(rows))}[k].")
         self.num_shards = len(rows)
         self._shape = tf.TensorShape([sum(rows)]).concatenate(self.shards[0].shape[1:])
         self._saving_variable = None
@@ -252,7 +252,7 @@ class ShardedTable(tf.Variable):
             return view.write(method, value)
         _forget_read_ahead(self)
         ops = []
-        for shard, part in zip(self.shards, split_dense(value, self.num_shards)):
+        for shard, part in zip(self.shards, sharding.split_dense(value, self.num_shards)):
             with tf.device(shard.device):
                 ops.append(getattr(shard, method)(part, read_value=False))
         return tf.group(ops)
@@ -260,7 +260,7 @@ class ShardedTable(tf.Variable):
     def _scatter(self, sparse_delta, method):
         _forget_read_ahead(self)
         ops = []
-        for shard, part in zip(self.shards, split_slices(sparse_delta, self.num_shards)):
+        for shard, part in zip(self.shards, sharding.split_slices(sparse_delta, self.num_shards)):
             with tf.device(shard.device):
                 ops.append(getattr(shard, method)(part))
         return tf.group(ops)
@@ -370,6 +370,15 @@ def is_table(value):
     return isinstance(value, ShardedTable)
 
 
+def table_behind(variable):
+    """The PS table `variable` is (tf_keras, TensorFlow) or wraps (a Keras 3
+    variable), else None."""
+    if is_table(variable):
+        return variable
+    value = getattr(variable, "_value", None)
+    return value if is_table(value) else None
+
+
 # Initializers whose values do not depend on the full shape: each shard can draw
 # its own rows directly, on its own PS.
 _ROW_WISE_INITIALIZERS = ("Zeros", "Ones", "Constant", "RandomUniform", "RandomNormal",
@@ -389,7 +398,7 @@ def shard_initial_values(initial_value, initializer, shape, dtype, num_shards):
     if initializer is not None and type(initializer).__name__ in _ROW_WISE_INITIALIZERS:
         return [lambda rows=rows, init=init: init(
                     tf.TensorShape([rows]).concatenate(shape[1:]), dtype=dtype)
-                for rows, init in zip(shard_rows(shape[0], num_shards),
+                for rows, init in zip(sharding.shard_rows(shape[0], num_shards),
                                       _per_shard(initializer, num_shards))]
 
     def rows_of(k):
@@ -415,48 +424,6 @@ def _per_shard(initializer, num_shards):
     config = initializer.get_config()
     return [type(initializer).from_config(dict(config, seed=hash((base, k)) & 0x7FFFFFFF))
             for k in range(num_shards)]
-
-
-def split_dense(value, num_shards):
-    """Splits a dense [rows, ...] tensor into the shards' rows (k::num_shards)."""
-    if num_shards == 1:
-        return [value]
-    return [value[k::num_shards] for k in range(num_shards)]
-
-
-def join_dense(parts):
-    """The inverse of `split_dense`: interleaves the shards' rows into one tensor."""
-    if len(parts) == 1:
-        return tf.identity(parts[0])
-    rows = sum(int(p.shape[0]) for p in parts)
-    positions = [tf.range(k, rows, len(parts)) for k in range(len(parts))]
-    return tf.dynamic_stitch(positions, parts)
-
-
-def shard_of(ids, num_shards):
-    """(shard, row within the shard) of each global row id."""
-    return (tf.cast(ids % num_shards, tf.int32), ids // num_shards)
-
-
-def split_slices(slices, num_shards):
-    """Splits table-wide `IndexedSlices` into per-shard ones with local row ids."""
-    if num_shards == 1:
-        return [slices]
-    shard, local = shard_of(slices.indices, num_shards)
-    values = tf.dynamic_partition(slices.values, shard, num_shards)
-    indices = tf.dynamic_partition(local, shard, num_shards)
-    return [tf.IndexedSlices(v, i, None) for v, i in zip(values, indices)]
-
-
-def join_slices(parts, dense_shape):
-    """The inverse of `split_slices`: one `IndexedSlices` with global row ids."""
-    num_shards = len(parts)
-    if num_shards == 1:
-        return tf.IndexedSlices(parts[0].values, parts[0].indices, dense_shape)
-    return tf.IndexedSlices(
-        tf.concat([p.values for p in parts], 0),
-        tf.concat([p.indices * num_shards + k for k, p in enumerate(parts)], 0),
-        dense_shape)
 
 
 @contextlib.contextmanager
@@ -494,7 +461,7 @@ def _read_whole(table):
         if ahead is not None and ahead.graph is tf.compat.v1.get_default_graph():
             whole = tf.identity(ahead)
         else:
-            whole = join_dense(_read_shards(table))
+            whole = sharding.join_dense(_read_shards(table))
     record_gradient(table, whole, lambda dy: remember_gradient(tf.identity(dy), table))
     if not tf.executing_eagerly():
         _SEEN_WHOLE.add(table)
@@ -524,7 +491,7 @@ def reading_ahead(tables, device):
     """Within, on this thread: whole reads of `tables` in the function being traced
     return their values read on entry, until the table is written (a write reads anew).
 
-    The values cross to `device` as the lookups' rows do (communication/wire.py): what
+    The values cross to `device` as the lookups' rows do (sharding/wire.py): what
     one PS task holds of every table, as one tensor, where reading each table where it
     is used takes a tensor per table and shard. Tables already read ahead on this
     thread keep their value.
@@ -540,7 +507,7 @@ def reading_ahead(tables, device):
             arrived = outbox.deliver()
             with tf.device(device):
                 for table, parts in zip(tables, tickets):
-                    values[id(table)] = join_dense([arrived[part] for part in parts])
+                    values[id(table)] = sharding.join_dense([arrived[part] for part in parts])
     else:
         tables = []
     try:
@@ -577,7 +544,7 @@ def lookup_many(requests, name=None, checked=False):
     """`lookup` of several `(table, ids)` at once: a list of rows, one per request.
 
     The ids a worker sends each PS task cross as one tensor, and the rows that task
-    sends back as one (communication/wire.py): one exchange per PS task, whatever the number of
+    sends back as one (sharding/wire.py): one exchange per PS task, whatever the number of
     tables, in each table's `wire_dtype`. `checked`: the caller has checked the ids
     (`checked_ids`) already. Rows in a `distinct_rows_of` block are looked up as they
     are, without a unique of the lookup's own.
@@ -723,7 +690,7 @@ def _gather_rows(requests, for_export=False):
     """Rows for distinct ids of each `(table, unique ids)`: each shard gathers its own on
     its PS, every PS task in parallel, in one exchange per task: the ids a worker sends
     a PS task, of every table, cross as one tensor, and the rows come back as one
-    (communication/wire.py), in each table's `wire_dtype`. The ids then held on each PS
+    (sharding/wire.py), in each table's `wire_dtype`. The ids then held on each PS
     are noted (`ids_on_ps`), for the gradients of these rows to cross without them."""
     if for_export:
         return [gen_resource_variable_ops.resource_gather(
@@ -736,7 +703,7 @@ def _gather_rows(requests, for_export=False):
         if table.num_shards == 1:
             shard, local_ids = None, [unique_ids]
         else:
-            shard, local = shard_of(unique_ids, table.num_shards)
+            shard, local = sharding.shard_of(unique_ids, table.num_shards)
             local_ids = tf.dynamic_partition(local, shard, table.num_shards)
         sent.append((shard, [outbox.put(source, part.device, ids)
                              for part, ids in zip(table.shards, local_ids)]))
@@ -858,7 +825,7 @@ def keras_variable_shape(input, out_type=None, name=None):  # pylint: disable=re
     row read, which may move the variable to a PS (`on_row_read`). An `out_type`
     `tf.shape` refuses goes to `tf.shape`, for its error.
     """
-    value = input._value if is_table(getattr(input, "_value", None)) else input.value
+    value = table_behind(input) or input.value
     if value.shape.is_fully_defined() and out_type in (None, tf.int32, tf.int64):
         return tf.constant(value.shape.as_list(), dtype=out_type or tf.int32, name=name)
     return tf.shape(value, out_type=out_type, name=name)
@@ -899,7 +866,7 @@ def call_checking_ids(call, layer, inputs):
     its own check.
     """
     inputs = checked_layer_ids(layer, inputs)
-    with _ids_checked_for(getattr(layer.embeddings, "_value", layer.embeddings)):
+    with _ids_checked_for(table_behind(layer.embeddings) or layer.embeddings):
         return call(layer, inputs)
 
 

@@ -14,7 +14,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
 
-from hybrid_strategy.communication import routing
+from hybrid_strategy.sharding import rows as sharding
+from hybrid_strategy.tables import penalties
 from hybrid_strategy.tables import sparse_optimizers
 
 
@@ -35,7 +36,7 @@ def update_table(topology, table, fn, args, kwargs, copy_on=None):
         # Not in an update context: writes of mirrored optimizer state (tf_keras'
         # Adafactor and Nadam) then reach every replica's copy.
         return sparse_optimizers.update_table(
-            optimizer, fn, table, routing.shard_gradients(grad, table), args[1:], kwargs,
+            optimizer, fn, table, shard_gradients(grad, table), args[1:], kwargs,
             mode=topology.sparse_update, concurrent=topology.asynchronous, copy_on=copy_on)
     if optimizer is not None and not args and sparse_optimizers.is_weight_decay(fn):
         sparse_optimizers.check(optimizer, table.path)
@@ -56,3 +57,17 @@ def _optimizer_of(fn):
         if hasattr(candidate, "iterations") and hasattr(candidate, "apply_gradients"):
             return candidate
     return None
+
+
+def shard_gradients(grad, table):
+    """The step's gradient of `table`, one part per shard with shard-local rows."""
+    sums = sharding.shard_sums_of(grad)
+    if sums is not None:
+        return list(sums)
+    if isinstance(grad, tf.IndexedSlices):
+        (grad,), penalty = penalties.without_markers([grad], table)
+        parts = sharding.split_slices(sharding.merge_duplicates(grad), table.num_shards)
+        return penalties.with_gradient(
+            parts, None if penalty is None else [penalty] * table.num_shards, table)
+    penalties.check_not_dropped(table)
+    return sharding.split_dense(grad, table.num_shards)

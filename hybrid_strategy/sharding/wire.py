@@ -16,7 +16,7 @@ back, so every sum and update is made in the table's own dtype.
 
 ```python
 import tensorflow as tf
-from hybrid_strategy.communication import wire
+from hybrid_strategy.sharding import wire
 outbox = wire.Outbox()
 ids = outbox.put("/cpu:0", "/cpu:0", tf.constant([4, 1], tf.int64))
 rows = outbox.put("/cpu:0", "/cpu:0", tf.ones((2, 3)))
@@ -156,3 +156,9 @@ def _unpack(packed, parts):
         value.set_shape(part.shape)
         received.append(tf.cast(value, tf.bool) if part.dtype == tf.bool else value)
     return received
+
+
+def host_of(device):
+    """'/job:worker/replica:0/task:1/device:GPU:0' -> its task's CPU device."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(device_type="CPU", device_index=0).to_string()
