@@ -31,13 +31,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv, parse, run_chief, run_all):
     """Parses `argv` (None: the command line), then `run_chief(options)` with --chief,
-    else `run_all(options, argv)`."""
+    else `run_all(options, argv)`; returns what that returns (an exit status or None)."""
     argv = sys.argv[1:] if argv is None else argv
     options = parse(argv)
     if options.chief:
-        run_chief(options)
-    else:
-        run_all(options, argv)
+        return run_chief(options)
+    return run_all(options, argv)
 
 
 def add_arguments(parser, timeout, json_path):
