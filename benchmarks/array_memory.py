@@ -3,7 +3,7 @@
     python -m benchmarks.array_memory [--sizes-mib 38 381 4096] [--versions before after]
 
 For every size of arrays and code version ("before": the `hybrid_strategy` package of
-the commit this branch forked from main, exported as benchmarks.checkpoint_memory does;
+the commit this branch forked from main, exported as benchmarks.chief_runs does;
 "after": this checkout), starts 2 workers + 1 ps with `python -m hybrid_strategy.launch`
 and runs this file as its chief (`--chief`). The chief makes keras_examples/criteo.py's
 inputs as numpy arrays (26 int32 id columns, 13 float32 dense columns and a float32

@@ -33,10 +33,10 @@ import os
 import shlex
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
+from benchmarks import chief_runs
 from benchmarks import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,16 +147,6 @@ def run_chief(options):
 # Driver -----------------------------------------------------------------------------
 
 
-def export_package(commit, directory):
-    """Writes the `hybrid_strategy` package of `commit` into `directory`."""
-    archive = os.path.join(directory, "code.tar")
-    subprocess.run(["git", "archive", "--format=tar", "-o", archive, commit, "hybrid_strategy"],
-                   cwd=REPO, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(directory, filter="data")
-    return directory
-
-
 def chief_command(size_mib, directory, apis):
     return [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps", "2",
             "--startup-timeout", "180", "--",
@@ -256,36 +246,29 @@ def parse(argv):
 
 
 def main(argv=None):
-    options = parse(sys.argv[1:] if argv is None else argv)
-    if options.chief:
-        run_chief(options)
-        return
+    chief_runs.main(argv, parse, run_chief, run_all)
+
+
+def run_all(options, argv):
+    """Every size and version, each on a cluster of its own; the report."""
     sizes = "-".join(map(str, options.sizes_mib))
     stem = os.path.join(RESULTS, f"checkpoint_memory-{sizes}MiB")
     options.json = options.json or stem + ".json"
     options.markdown = options.markdown or stem + ".md"
-    host = machine.describe()
-    code = machine.code_version()
-    before = options.before or subprocess.run(
-        ["git", "merge-base", "HEAD", "main"], cwd=REPO, check=True, text=True,
-        stdout=subprocess.PIPE).stdout.strip()
-    invocation = shlex.join(["python", "-m", "benchmarks.checkpoint_memory"]
-                            + (sys.argv[1:] if argv is None else argv))
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="checkpoint_memory_code_") as before_dir:
-        if "before" in options.versions:
-            export_package(before, before_dir)
+    report = chief_runs.report_header("benchmarks.checkpoint_memory", argv, options.before)
+    report["runs"] = []
+    with chief_runs.packages(options.versions, report["before_commit"]) as code:
         for size in options.sizes_mib:
             for version in options.versions:
-                code_dir = before_dir if version == "before" else REPO
-                runs.append(measure(size, version, code_dir, options.apis, options.timeout))
-    report = {"machine": host, "code": code, "before_commit": before,
-              "invocation": invocation, "runs": runs}
+                report["runs"].append(measure(size, version, code[version], options.apis,
+                                              options.timeout))
+    text = markdown(report["runs"], report["machine"], report["code"],
+                    report["before_commit"], report["invocation"])
     with open(options.json, "w") as f:
         json.dump(report, f, indent=1)
     with open(options.markdown, "w") as f:
-        f.write(markdown(runs, host, code, before, invocation))
-    print(markdown(runs, host, code, before, invocation))
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ chief_runs.save(options.json, report, markdown_text)
 `command` starts the cluster (`python -m hybrid_strategy.launch ... -- python -m
 benchmarks.x --chief ...`), whose chief prints one line starting with the prefix and a
 JSON result. "before" is the `hybrid_strategy` package of a commit (default: where this
-branch forked from main), exported as benchmarks.checkpoint_memory does; "after" is this
-checkout.
+branch forked from main), exported with `git archive`; "after" is this checkout.
 """
 
 import argparse
@@ -21,9 +20,9 @@ import os
 import shlex
 import subprocess
 import sys
+import tarfile
 import tempfile
 
-from benchmarks import checkpoint_memory
 from benchmarks import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,13 +30,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv, parse, run_chief, run_all):
     """Parses `argv` (None: the command line), then `run_chief(options)` with --chief,
-    else `run_all(options, argv)`."""
+    else `run_all(options, argv)`; returns what that returns (an exit status or None)."""
     argv = sys.argv[1:] if argv is None else argv
     options = parse(argv)
     if options.chief:
-        run_chief(options)
-    else:
-        run_all(options, argv)
+        return run_chief(options)
+    return run_all(options, argv)
 
 
 def add_arguments(parser, timeout, json_path):
@@ -77,12 +75,22 @@ def code_description(report):
                if code["modified_files"] else "") + ".")
 
 
+def export_package(commit, directory):
+    """Writes the `hybrid_strategy` package of `commit` into `directory`."""
+    archive = os.path.join(directory, "code.tar")
+    subprocess.run(["git", "archive", "--format=tar", "-o", archive, commit, "hybrid_strategy"],
+                   cwd=REPO, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(directory, filter="data")
+    return directory
+
+
 @contextlib.contextmanager
 def packages(versions, before):
     """{version: the directory whose `hybrid_strategy` package it runs}."""
     with tempfile.TemporaryDirectory(prefix="benchmark_code_") as directory:
         if "before" in versions:
-            checkpoint_memory.export_package(before, directory)
+            export_package(before, directory)
         yield {"before": directory, "after": REPO}
 
 

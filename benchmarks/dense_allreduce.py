@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks import chief_runs
 from benchmarks import machine
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -29,7 +30,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 GRADIENT_SHAPES = ((64, 256), (256,), (256, 1), (1,))
 
 
-def chief(calls, rounds):
+def run_chief(options):
     """Runs as the launcher's chief: times both reductions; prints one JSON line."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     # pylint: disable=import-outside-toplevel
@@ -70,7 +71,7 @@ def chief(calls, rounds):
     results = {name: run().numpy().tolist() for name, run in ways.items()}  # traces
     pids = dict(chief=os.getpid(), **machine.server_pids())
     timed = machine.alternate({name: lambda run=run: run().numpy() for name, run in ways.items()},
-                              pids, calls, rounds)
+                              pids, options.calls, options.rounds)
     report = {
         "replicas": len(devices),
         "same_sums": results["per worker first"] == results["one ring"],
@@ -129,7 +130,7 @@ def markdown(runs, command):
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
+def parse(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dense_allreduce",
                                      description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--shapes", default="1x6,2x6,4x6,8x6",
@@ -141,23 +142,30 @@ def main(argv=None):
     options = parser.parse_args(argv)
     if options.calls < 1 or options.rounds < 1:
         parser.error("--calls and --rounds must be at least 1")
-    if options.chief:
-        chief(options.calls, options.rounds)
-        return 0
-    from benchmarks import replicas  # pylint: disable=import-outside-toplevel
-    try:
-        shapes = [replicas.parse_shape(s) for s in options.shapes.split(",") if s.strip()]
-    except ValueError as e:
-        parser.error(f"--shapes: {e} is not WxD with W and D at least 1 (e.g. 8x6)")
-    command = "python -m benchmarks.dense_allreduce " + " ".join(argv or sys.argv[1:])
-    runs = [run_shape(workers, devices, options) for workers, devices in shapes]
+    if not options.chief:
+        from benchmarks import replicas  # pylint: disable=import-outside-toplevel
+        try:
+            options.shape_list = [replicas.parse_shape(s) for s in options.shapes.split(",")
+                                  if s.strip()]
+        except ValueError as e:
+            parser.error(f"--shapes: {e} is not WxD with W and D at least 1 (e.g. 8x6)")
+    return options
+
+
+def main(argv=None):
+    return chief_runs.main(argv, parse, run_chief, run_all)
+
+
+def run_all(options, argv):
+    """One cluster per shape; the report."""
+    command = "python -m benchmarks.dense_allreduce " + " ".join(argv)
+    runs = [run_shape(workers, devices, options) for workers, devices in options.shape_list]
     with open(os.path.join(RESULTS_DIR, "dense_allreduce.json"), "w") as f:
         json.dump({"command": command, "runs": runs}, f, indent=1)
     path = os.path.join(RESULTS_DIR, "dense_allreduce.md")
     with open(path, "w") as f:
         f.write(markdown(runs, command))
     print(f"wrote {os.path.relpath(path)}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,10 +29,10 @@ and .md (--out).
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
+from benchmarks import chief_runs
 from benchmarks import machine
 from benchmarks import raw_id_data
 
@@ -224,11 +224,11 @@ def markdown(report):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.chief:
-        run_chief(args)
-        return
-    argv = sys.argv[1:] if argv is None else argv
+    chief_runs.main(argv, parse_args, run_chief, run_all)
+
+
+def run_all(args, argv):
+    """Every variant on a cluster of its own; the Zipf comparison; the report."""
     # The flags this run's chiefs share; each gets one variant.
     shared = [f"--capacity={args.capacity}", f"--dim={args.dim}", f"--steps={args.steps}",
               f"--batch={args.batch}"]

@@ -30,6 +30,9 @@ import sys
 import tempfile
 import time
 
+from benchmarks import chief_runs
+from benchmarks import machine
+
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dynamic_step",
@@ -53,13 +56,14 @@ def parse(argv=None):
 
 
 def run_chief(options):
-    """As the cluster's chief: every model's tensors per step and examples/s."""
+    """As the cluster's chief: every model's tensors per step and examples/s, written to
+    --chief; then the process ends at once."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import importlib  # pylint: disable=import-outside-toplevel
 
     import keras  # pylint: disable=import-outside-toplevel
 
     from benchmarks import contenders  # pylint: disable=import-outside-toplevel
-    from benchmarks import machine  # pylint: disable=import-outside-toplevel
     from benchmarks import step_transfers  # pylint: disable=import-outside-toplevel
 
     strategy = contenders.make_strategy(options.contender, options.ps)
@@ -98,6 +102,8 @@ def run_chief(options):
             for task, seconds in result["cpu_s"].items()}
     with open(options.chief, "w") as f:
         json.dump(out, f)
+    sys.stdout.flush()
+    os._exit(0)  # a process connected to a cluster can hang in interpreter teardown
 
 
 def markdown(options, version, results):
@@ -120,8 +126,6 @@ def markdown(options, version, results):
 
 def run_version(options, argv, code_dir):
     """The chief's figures, run with `code_dir`'s `hybrid_strategy` package."""
-    from benchmarks import machine  # pylint: disable=import-outside-toplevel
-
     with tempfile.TemporaryDirectory(prefix="dynamic_step_") as directory:
         spec = os.path.join(directory, "chief.json")
         # `python -m` puts the working directory first on sys.path: the package under test.
@@ -134,15 +138,11 @@ def run_version(options, argv, code_dir):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    options = parse(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if options.chief:
-        run_chief(options)
-        sys.stdout.flush()
-        os._exit(0)  # a process connected to a cluster can hang in interpreter teardown
-    from benchmarks import chief_runs  # pylint: disable=import-outside-toplevel
+    chief_runs.main(argv, parse, run_chief, run_all)
 
+
+def run_all(options, argv):
+    """Every version's figures, each from a cluster of its own; a table per version."""
     report = chief_runs.report_header("benchmarks.dynamic_step", argv, options.before)
     report["results"] = {}
     with chief_runs.packages(options.versions, report["before_commit"]) as code:

@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from benchmarks import chief_runs
 from benchmarks import machine
 from benchmarks import raw_id_data
 
@@ -298,11 +299,11 @@ def markdown(report):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.chief:
-        run_chief(args)
-        return
-    argv = sys.argv[1:] if argv is None else argv
+    chief_runs.main(argv, parse_args, run_chief, run_all)
+
+
+def run_all(args, argv):
+    """Every variant wherever --where says (and TFRA's with --tfra); the report."""
     data = _data(args)
     report = {"command": " ".join(["python -m benchmarks.dynamic_vocabulary", *argv]),
               "machine": machine.describe(), "arguments": vars(args),

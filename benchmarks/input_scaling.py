@@ -13,7 +13,7 @@ per record, 26 tables, global batch 512), fed three ways:
              (the way the examples fed data before per-worker input functions).
 
 For every input, W and code version ("before": the `hybrid_strategy` package of the
-commit this branch forked from main, as benchmarks.checkpoint_memory exports it;
+commit this branch forked from main, as benchmarks.chief_runs exports it;
 "after": this checkout) it starts a cluster of W workers + 1 ps with
 `python -m hybrid_strategy.launch` and runs this file as its chief (`--chief`), which
 

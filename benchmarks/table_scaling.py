@@ -447,11 +447,13 @@ def parse(argv):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    options = parse(argv)
-    if options.chief:
-        return run_chief(options)
-    invocation = shlex.join(["python", "-m", "benchmarks.table_scaling"] + argv)
+    return chief_runs.main(argv, parse, run_chief, run_all)
+
+
+def run_all(options, argv):
+    """Every table size, optimizer and policy, each on a cluster of its own; the report.
+    Exit status 1 when a run failed."""
+    invocation = shlex.join(["python", "-m", "benchmarks.table_scaling", *argv])
     host = machine.describe()  # the load average before our own runs add to it
     started = time.perf_counter()
     with chief_runs.packages(["before"] if options.before else [], options.before) as code:
