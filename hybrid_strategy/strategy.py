@@ -28,17 +28,17 @@ import tensorflow as tf
 # public MirroredStrategy refuses remote devices in eager mode); the other modules
 # are the helpers it is built from (per-replica values, collective options,
 # the update/merge plumbing).
-from tensorflow.python.distribute import collective_util
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import mirrored_strategy
-from tensorflow.python.distribute import numpy_dataset
-from tensorflow.python.distribute import values as values_lib
+from hybrid_strategy.tensorflow_private import collective_util
+from hybrid_strategy.tensorflow_private import cross_device_ops as cross_device_ops_lib
+from hybrid_strategy.tensorflow_private import distribute_lib
+from hybrid_strategy.tensorflow_private import distribute_utils
+from hybrid_strategy.tensorflow_private import mirrored_strategy
+from hybrid_strategy.tensorflow_private import numpy_dataset
+from hybrid_strategy.tensorflow_private import values_lib
 # TF-private: tells whether a graph is a tf.while_loop body (steps_per_execution), and
 # the variables a mirrored copy of a PS table is made of.
-from tensorflow.python.ops import control_flow_util_v2
-from tensorflow.python.ops import resource_variable_ops
+from hybrid_strategy.tensorflow_private import control_flow_util_v2
+from hybrid_strategy.tensorflow_private import resource_variable_ops
 
 from hybrid_strategy import options as options_lib
 from hybrid_strategy import tracing

@@ -5,7 +5,8 @@
 - No circle of imports between the package's subpackages, nor among benchmarks/'s
   modules: every import counts, those made inside a function too.
 - Placement has one owner: only placement/ asks the policy to decide or move a variable.
-- TensorFlow's private modules are imported in a few modules only, each saying why.
+- TensorFlow's private modules are imported in one module only (tensorflow_private.py),
+  which names what the package reads from each and why.
 """
 
 import ast
@@ -125,3 +126,46 @@ def test_only_placement_decides_and_moves_variables(method):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
         and node.func.attr == method and "policy" in ast.unparse(node.func.value))
     assert not callers, callers
+
+
+def fenced_names(tree):
+    """{local name: name in tensorflow_private} of what `tree` imports from the fence."""
+    return {alias.asname or alias.name: alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module == "hybrid_strategy.tensorflow_private"
+            for alias in node.names}
+
+
+def test_tensorflow_private_modules_are_imported_through_the_fence_only():
+    fence = os.path.join("hybrid_strategy", "tensorflow_private.py")
+    importers = sorted(
+        f"{path}:{node.lineno}" for path, tree in sources(PACKAGE).items() if path != fence
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(name.startswith("tensorflow.python") for name in
+                ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                 [a.name for a in node.names])))
+    assert not importers, importers
+
+
+def test_every_tensorflow_private_name_read_is_declared_and_exists():
+    from hybrid_strategy import tensorflow_private  # pylint: disable=import-outside-toplevel
+    undeclared, read = [], set()
+    for path, tree in sources(PACKAGE).items():
+        fenced = fenced_names(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in fenced):
+                module = fenced[node.value.id]
+                read.add((module, node.attr))
+                if node.attr not in tensorflow_private.REACHES[module][0]:
+                    undeclared.append(f"{path}:{node.lineno} {module}.{node.attr}")
+    assert not undeclared, undeclared
+    unread = [f"{module}.{name}" for module, (names, _) in
+              tensorflow_private.REACHES.items() for name in names
+              if (module, name) not in read]
+    assert not unread, f"declared in REACHES but read nowhere: {unread}"
+    missing = [f"{module}.{name}" for module, (names, _) in
+               tensorflow_private.REACHES.items() for name in names
+               if not hasattr(getattr(tensorflow_private, module), name)]
+    assert not missing, missing

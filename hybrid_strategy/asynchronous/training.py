@@ -48,10 +48,10 @@ import tensorflow as tf
 # TF-private: the piece of tf.distribute's input pipeline that shards a dataset for one
 # worker, the update context and the variable wrapper that aggregates replicas' writes
 # (as ParameterServerStrategy has it).
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import input_ops
-from tensorflow.python.distribute import ps_values
+from hybrid_strategy.tensorflow_private import distribute_lib
+from hybrid_strategy.tensorflow_private import distribute_utils
+from hybrid_strategy.tensorflow_private import input_ops
+from hybrid_strategy.tensorflow_private import ps_values
 
 from hybrid_strategy import tracing
 from hybrid_strategy.input import worker_input

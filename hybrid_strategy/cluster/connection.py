@@ -10,7 +10,7 @@ worker_devices, ps_devices = connection.devices(config, "hybrid", None, timeout=
 import tensorflow as tf
 
 # TF-private: resolves a device string the way MirroredStrategy does.
-from tensorflow.python.distribute import device_util
+from hybrid_strategy.tensorflow_private import device_util
 
 from hybrid_strategy.cluster import config as cluster_lib
 from hybrid_strategy.cluster import liveness

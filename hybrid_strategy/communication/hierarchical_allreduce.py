@@ -43,8 +43,8 @@ import tensorflow as tf
 # TF-private: the launcher of one device's collective ops (group and instance keys,
 # ordering token), as TensorFlow's CollectiveAllReduce uses it, and the devices a
 # reduction's destination names.
-from tensorflow.python.distribute import cross_device_ops
-from tensorflow.python.distribute import cross_device_utils
+from hybrid_strategy.tensorflow_private import cross_device_ops
+from hybrid_strategy.tensorflow_private import cross_device_utils
 
 from hybrid_strategy.sharding import wire
 

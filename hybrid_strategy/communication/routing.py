@@ -10,8 +10,8 @@ print(reduced.values, reduced.aggregated)
 import tensorflow as tf
 
 # TF-private: per-replica values and regrouping replicas' results into one.
-from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import values as values_lib
+from hybrid_strategy.tensorflow_private import distribute_utils
+from hybrid_strategy.tensorflow_private import values_lib
 
 from hybrid_strategy.communication import aggregation as communication
 from hybrid_strategy.communication import hierarchical_allreduce

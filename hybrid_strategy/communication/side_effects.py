@@ -39,9 +39,9 @@ import weakref
 import tensorflow as tf
 # TF-private: automatic control dependencies take resolvers that name the resources an
 # op touches; the stand-in resource of a task chains that task's side effects.
-from tensorflow.python.framework import auto_control_deps
+from hybrid_strategy.tensorflow_private import auto_control_deps
 # TF-private: the task of this process (its context's address space).
-from tensorflow.python.eager import context
+from hybrid_strategy.tensorflow_private import context
 
 _tokens = weakref.WeakKeyDictionary()  # graph -> {task: _TaskSideEffects}
 _ids = itertools.count(-1, -1)  # below every tensor's id

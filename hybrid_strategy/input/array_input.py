@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 # TF-private: waits until this process's asynchronous eager operations are done.
-from tensorflow.python.eager import context
+from hybrid_strategy.tensorflow_private import context
 
 from hybrid_strategy.input import input_graph
 from hybrid_strategy.input import input_plan
@@ -69,8 +69,8 @@ def distribute_arrays(hosts, distribute_from_function, arrays, batch_size, shuff
     replicas = len(hosts[0][1])
     worker_batches = input_plan.worker_batch_sizes(batch_size, len(hosts), replicas)
 
-    def worker_dataset(context):
-        worker = context.input_pipeline_id
+    def worker_dataset(input_context):
+        worker = input_context.input_pipeline_id
         starts, lengths = input_plan.worker_rows(
             num_rows, batch_size, worker, len(hosts), replicas, drop_remainder=False)
         share = [None if leaf is None else _send(_as_numpy(leaf), starts, lengths,

@@ -30,9 +30,9 @@ import tensorflow as tf
 # replica's value or an empty stand-in, the count of replicas with data, the
 # PerReplica made of them); TensorFlow offers no public way to place them. And the
 # strategy scope its get_next enters, and the cardinality of an endless dataset.
-from tensorflow.python.data.experimental.ops import cardinality
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import input_lib
+from hybrid_strategy.tensorflow_private import cardinality
+from hybrid_strategy.tensorflow_private import distribute_lib
+from hybrid_strategy.tensorflow_private import input_lib
 
 
 def picks_per_worker(iterator):

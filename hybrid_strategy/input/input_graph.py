@@ -27,7 +27,7 @@ import tensorflow as tf
 
 # TF-private: the option a dataset is serialized with, as TensorFlow's own `replicate`
 # does before it re-creates a dataset on other devices.
-from tensorflow.python.data.ops.options import ExternalStatePolicy
+from hybrid_strategy.tensorflow_private import data_options
 
 from hybrid_strategy.input import input_plan
 
@@ -96,7 +96,7 @@ def serialize(dataset):
     # TF-private: the debug options and serialization TensorFlow's `replicate` applies.
     dataset = dataset._apply_debug_options()  # pylint: disable=protected-access
     serialized = dataset._as_serialized_graph(  # pylint: disable=protected-access
-        strip_device_assignment=True, external_state_policy=ExternalStatePolicy.WARN)
+        strip_device_assignment=True, external_state_policy=data_options.ExternalStatePolicy.WARN)
     graph_def = tf.compat.v1.GraphDef()
     graph_def.ParseFromString(serialized.numpy())
     return graph_def

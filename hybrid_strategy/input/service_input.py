@@ -27,7 +27,7 @@ model.fit(dataset, epochs=3)   # every element once per epoch
 import tensorflow as tf
 
 # TF-private: the dataset class that reads from a tf.data service, whose job name we check.
-from tensorflow.python.data.experimental.ops import data_service_ops
+from hybrid_strategy.tensorflow_private import data_service_ops
 
 
 def job_names(dataset):

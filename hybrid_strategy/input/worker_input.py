@@ -23,13 +23,13 @@ import tensorflow as tf
 
 # TF-private: a dataset re-created on a device from a serialized graph, as TensorFlow's
 # `replicate` makes it on each worker.
-from tensorflow.python.data.experimental.ops import distribute as data_distribute
+from hybrid_strategy.tensorflow_private import data_distribute
 # TF-private: TensorFlow's distribution of a dataset over workers.
-from tensorflow.python.distribute import input_lib
-from tensorflow.python.distribute import input_util
+from hybrid_strategy.tensorflow_private import input_lib
+from hybrid_strategy.tensorflow_private import input_util
 # TF-private: the class of `dataset.prefetch(n)`, to see that a dataset already keeps
 # batches ready.
-from tensorflow.python.data.ops import prefetch_op
+from hybrid_strategy.tensorflow_private import prefetch_op
 
 from hybrid_strategy.input import input_graph
 from hybrid_strategy.input import input_plan

@@ -7,7 +7,7 @@ fixed at trace time agree as well, and none crosses the network. Only the
 strategy's own launchers change; TensorFlow's other strategies keep theirs.
 
 ```python
-from tensorflow.python.distribute import collective_util, cross_device_utils
+from hybrid_strategy.tensorflow_private import collective_util, cross_device_utils
 from hybrid_strategy.keras_integration import collective_hooks
 keys = cross_device_utils.CollectiveKeys()
 launcher = cross_device_utils.CollectiveReplicaLauncher(

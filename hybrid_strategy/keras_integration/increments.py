@@ -30,7 +30,7 @@ import numbers
 import tensorflow as tf
 
 # TF-private: the variable type whose copies live one per replica device.
-from tensorflow.python.distribute import values as values_lib
+from hybrid_strategy.tensorflow_private import values_lib
 
 from hybrid_strategy.asynchronous import training as asynchronous
 from hybrid_strategy.keras_integration import registry

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 # TF-private: regroups the rows computed once for the global batch into each
 # replica's part, as merge_call's results are handed back.
-from tensorflow.python.distribute import distribute_utils
+from hybrid_strategy.tensorflow_private import distribute_utils
 
 from hybrid_strategy.keras_integration import batched_lookups
 from hybrid_strategy.keras_integration import dynamic_hooks

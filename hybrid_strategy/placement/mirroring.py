@@ -42,7 +42,7 @@ with strategy.scope():
 """
 
 # TF-private: the MirroredVariable class MirroredStrategy's variable creator makes.
-from tensorflow.python.distribute import values as values_lib
+from hybrid_strategy.tensorflow_private import values_lib
 
 
 class MirroredTable(values_lib.MirroredVariable):

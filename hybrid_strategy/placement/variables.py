@@ -20,10 +20,10 @@ import weakref
 import tensorflow as tf
 
 # TF-private: picks one replica's value of per-replica update arguments.
-from tensorflow.python.distribute import distribute_utils
+from hybrid_strategy.tensorflow_private import distribute_utils
 # TF-private: ResourceVariable made directly skips the variable creator stack, for
 # the shards of a table that replaces a mirrored variable during a traced step.
-from tensorflow.python.ops import resource_variable_ops
+from hybrid_strategy.tensorflow_private import resource_variable_ops
 
 from hybrid_strategy import errors
 from hybrid_strategy.asynchronous import training as asynchronous_lib

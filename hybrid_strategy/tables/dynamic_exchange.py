@@ -41,7 +41,7 @@ import tensorflow as tf
 # TF-private: `record.stop_recording` keeps a gradient tape from differentiating the
 # rows' raw reads on the PS tasks; the caller records their table-wide gradient
 # (`table.rows_read`).
-from tensorflow.python.eager import record
+from hybrid_strategy.tensorflow_private import record
 
 from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import dynamic

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 # TF-private: `record.stop_recording` keeps the tape from differentiating the shard
 # reads (it gets the marker rows instead), as table.py's reads do.
-from tensorflow.python.eager import record
+from hybrid_strategy.tensorflow_private import record
 
 from hybrid_strategy import errors
 from hybrid_strategy.tables import table as table_lib

@@ -11,7 +11,7 @@ from tensorflow.core.framework import attr_value_pb2
 # TF-private: a variable created directly as a ResourceVariable bypasses the
 # distribution strategy's variable creator; a map's bookkeeping lives on one
 # device and is written once per step, not mirrored.
-from tensorflow.python.ops import resource_variable_ops
+from hybrid_strategy.tensorflow_private import resource_variable_ops
 
 
 def mix(keys, salt=0):

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 # TF-private: `SaveSpec` is how `_serialize_to_tensors` gives a tensor built lazily on a
 # device of its choice (the block, on its ps).
-from tensorflow.python.training.saving import saveable_object
+from hybrid_strategy.tensorflow_private import saveable_object
 
 from hybrid_strategy.sharding.rows import shard_rows
 

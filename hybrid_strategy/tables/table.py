@@ -47,15 +47,15 @@ import tensorflow as tf
 # reads of a tf.Variable do; `dispatch` lets `tf.nn.embedding_lookup` route tables to
 # `lookup` before it would convert them to one dense tensor; gen_resource_variable_ops
 # are the raw per-shard reads.
-from tensorflow.python.eager import record
-from tensorflow.python.eager import tape as tape_lib
-from tensorflow.python.ops import gen_resource_variable_ops
-from tensorflow.python.util import dispatch
+from hybrid_strategy.tensorflow_private import record
+from hybrid_strategy.tensorflow_private import tape_lib
+from hybrid_strategy.tensorflow_private import gen_resource_variable_ops
+from hybrid_strategy.tensorflow_private import dispatch
 # TF-private: `save_context` tells that `tf.saved_model.save` is tracing the
 # functions it exports; `resource_variable_ops` makes the stand-in variable those
 # traces read and writes a variable's SavedModel record (as ShardedVariable does).
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.saved_model import save_context
+from hybrid_strategy.tensorflow_private import resource_variable_ops
+from hybrid_strategy.tensorflow_private import save_context
 
 from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.sharding import wire

@@ -11,8 +11,8 @@ import tensorflow as tf
 
 # TF-private: picks one replica's update arguments, as MirroredExtended's own update
 # does, and the update context an assignment runs in.
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import distribute_utils
+from hybrid_strategy.tensorflow_private import distribute_lib
+from hybrid_strategy.tensorflow_private import distribute_utils
 
 from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.tables import penalties
