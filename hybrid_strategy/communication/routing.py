@@ -48,7 +48,7 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
     `collective_reduce` (TensorFlow's). Every worker sends each PS task one tensor.
 
     Args:
-        topology: The step's `StepTopology`.
+        topology: The step's `Topology` (placement/topology.py).
         dense_sum: A `HierarchicalAllReduce` over the topology's replicas, or None.
     Returns:
         A `Reduced`.
