@@ -26,9 +26,7 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 
 from benchmarks import machine
 
@@ -56,26 +54,9 @@ def command(run, options):
     return example + [f"--strategy={run}"]
 
 
-def environ():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO, env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
 def run_once(argv, timeout):
     """Runs one command; returns (fields of its final line or None, output, seconds)."""
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(argv, env=environ(), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        output, code = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        output += f"\n(timed out after {timeout:.0f} s)"
-        code = None
-    seconds = time.perf_counter() - start
+    output, code, seconds = machine.run_captured(argv, timeout)
     finals = _FINAL.findall(output)
     if code != 0 or not finals:
         return None, output, seconds

@@ -76,6 +76,23 @@ def environment(code_dir=REPO):
     return env
 
 
+def run_captured(argv, timeout, code_dir=REPO):
+    """Runs `argv` in `code_dir` (`environment(code_dir)`): (its output, stdout and
+    stderr together; its exit code, None when it ran past `timeout` seconds; seconds)."""
+    start = time.perf_counter()
+    try:
+        # `python -m` puts the working directory first on sys.path: the package run.
+        done = subprocess.run(argv, env=environment(code_dir), cwd=code_dir,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+        output, code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as e:
+        output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        output += f"\n(timed out after {timeout:.0f} s)"
+        code = None
+    return output, code, time.perf_counter() - start
+
+
 def server_pids():
     """{"worker0": pid, ..., "ps0": pid}: the servers of the cluster whose chief this is.
 

@@ -45,7 +45,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -273,19 +272,7 @@ def measure(options, code_dir, rows, optimizer, policy):
         shown = shlex.join(launcher_argv(
             options, chief_argv(options, rows, optimizer, policy, "RESULT.json")))
         print(f"[{label}] {shown}", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            # `python -m` puts the working directory first on sys.path: the package run.
-            done = subprocess.run(argv, env=machine.environment(code_dir), cwd=code_dir,
-                                  stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  timeout=options.timeout)
-            output, code = done.stdout, done.returncode
-        except subprocess.TimeoutExpired as e:
-            output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            output += f"\n(timed out after {options.timeout:.0f} s)"
-            code = None
-        seconds = time.perf_counter() - start
+        output, code, seconds = machine.run_captured(argv, options.timeout, code_dir)
         result = None
         if code == 0 and os.path.exists(result_file):
             with open(result_file) as f:
