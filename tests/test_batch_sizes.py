@@ -3,9 +3,8 @@
 `tests/batch_sizes.py` runs once per shape (two shapes at a time): on one machine
 with two CPU replicas, every case, beside tf.distribute.MirroredStrategy on the same
 replicas, under Keras 3 and tf_keras; on a real cluster of 2 workers and 2 ps started
-by the launcher (and under Keras 3 of 4 workers, whose dense sum takes other messages,
-and of 4 workers of 2 CPU replicas each, whose replicas are summed on their worker
-first), the cases whose arithmetic crosses workers (an uneven split, an empty replica,
+by the launcher (and under Keras 3 of 4 workers of 2 CPU replicas each, whose replicas
+are summed on their worker first and whose dense sum takes other messages), the cases whose arithmetic crosses workers (an uneven split, an empty replica,
 and under Keras 3 a divisor summed over the replicas). Each case is checked against one
 device training on the same global batches.
 """
@@ -40,13 +39,12 @@ SHAPES = {
     "2workers_2ps": (on_workers_2ps(CLUSTER_CASES + ["sequence_masked"]), "keras3",
                      CLUSTER_CASES + ["sequence_masked"]),
     "tf_keras_2workers_2ps": (on_workers_2ps(CLUSTER_CASES), "tf_keras", CLUSTER_CASES),
-    "4workers_2ps": (on_workers_2ps(CLUSTER_CASES, workers=4), "keras3", CLUSTER_CASES),
     "4workers_of_2_replicas_2ps": (on_workers_2ps(CLUSTER_CASES, workers=4,
                                                   devices_per_worker=2),
                                    "keras3", CLUSTER_CASES),
 }
 # Replicas in sync of each shape on a cluster: every worker's CPU devices.
-CLUSTER_REPLICAS = {"2workers_2ps": 2, "tf_keras_2workers_2ps": 2, "4workers_2ps": 4,
+CLUSTER_REPLICAS = {"2workers_2ps": 2, "tf_keras_2workers_2ps": 2,
                     "4workers_of_2_replicas_2ps": 8}
 RUNS = Runs({shape: functools.partial(json_report, arguments, f"batch sizes on {shape}",
                                       flavour, timeout=1800)

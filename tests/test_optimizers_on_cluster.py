@@ -1,10 +1,8 @@
 """AdamW, Ftrl, MultiOptimizer and a LossScaleOptimizer train a recommender's PS tables.
 
 `tests/optimizer_scenario.py` runs as the chief of a real cluster of 2 workers and
-2 ps (Keras 3, and tf_keras), and of 4 workers and 2 ps (Keras 3: among 4 workers
-the dense sum takes 3 messages a worker, between 2 one), with one CPU replica per
-worker and with two (each worker's rows and sums gathered on it first), two runs at a
-time: each case trains the recommender's three tables, split over both ps tasks, and
+2 ps (Keras 3, and tf_keras), and of 4 workers of two CPU replicas each and 2 ps
+(Keras 3: each worker's rows and sums gathered on it first), two runs at a time: each case trains the recommender's three tables, split over both ps tasks, and
 its MLP with `model.fit`, and compares every weight and every optimizer slot of the
 tables with single-device training (dense gradients for exact mode, the lazy rule for
 lazy mode).
@@ -31,7 +29,7 @@ CASES = {
 }
 # name -> (Keras flavour, workers, CPU replicas per worker)
 SHAPES = {"keras3": ("keras3", 2, 1), "tf_keras": ("tf_keras", 2, 1),
-          "keras3_4workers": ("keras3", 4, 1), "keras3_4workers_of_2_replicas": ("keras3", 4, 2)}
+          "keras3_4workers_of_2_replicas": ("keras3", 4, 2)}
 
 
 RUNS = Runs({shape: functools.partial(

@@ -2,8 +2,8 @@
 
 One cluster of 2 workers + 1 ps runs every case under Keras 3, another, at the same
 time, the cases of arrays, in-memory datasets and per-worker input functions under
-tf_keras, and two more, of 4 workers with one CPU replica each and with two, the cases
-of files and in-memory datasets under Keras 3; the tests read their reports. Examples
+tf_keras, and one more, of 4 workers with two CPU replicas each, the cases of files and
+in-memory datasets under Keras 3; the tests read their reports. Examples
 are counted where the workers process them (a log each dataset's map writes), and
 training is compared with one device on the same global batches.
 """
@@ -27,7 +27,6 @@ ROWS = 200
 # name -> (Keras flavour, the scenario's arguments, workers, CPU replicas per worker)
 RUN_SHAPES = {"keras3": ("keras3", (), 2, 1),
               "tf_keras": ("tf_keras", ("one_file,in_memory,function,numpy",), 2, 1),
-              "keras3_4workers": ("keras3", ("files,one_file,in_memory",), 4, 1),
               "keras3_4workers_of_2_replicas": ("keras3", ("files,one_file,in_memory",), 4, 2)}
 
 
@@ -35,7 +34,7 @@ BOTH = pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
 KERAS3 = pytest.mark.parametrize("flavour", ["keras3"])
 # Cases whose reading depends on the number of workers: also on 4.
 WORKERS = pytest.mark.parametrize(
-    "flavour", ["keras3", "keras3_4workers", "keras3_4workers_of_2_replicas"])
+    "flavour", ["keras3", "keras3_4workers_of_2_replicas"])
 BOTH_AND_WORKERS = pytest.mark.parametrize("flavour", list(RUN_SHAPES))
 
 
