@@ -545,12 +545,14 @@ def restored(request, checkpoint_runs):
     return checkpoint_runs.result(request.param, request)
 
 
+REPLICA_CASES = ("adagrad", "adam_exact")
 RUNS = Runs({
     **{flavour: functools.partial(json_report, on_cluster(SCRIPT, workers=2, ps=2),
                                   f"dynamic_scenario ({flavour})", flavour)
        for flavour in FLAVOURS},
+    # One lazy and one exact case: the replicas' sums on their worker are what it adds.
     "two_replicas_per_worker": lambda: json_report(
-        on_cluster(SCRIPT, workers=2, ps=2, devices_per_worker=2),
+        on_cluster(SCRIPT, ",".join(REPLICA_CASES), workers=2, ps=2, devices_per_worker=2),
         "dynamic_scenario (2 workers of 2 replicas)")})
 
 
@@ -561,16 +563,19 @@ def report(request):
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras", "two_replicas_per_worker"])
 def exactness(request):
-    """The scenario's report: Keras 3, tf_keras, and Keras 3 with 2 replicas per worker."""
-    return RUNS.result(request.param, request)
+    """(shape, the scenario's report): Keras 3, tf_keras, and Keras 3 with 2 replicas per
+    worker (`REPLICA_CASES` and the files' case)."""
+    return request.param, RUNS.result(request.param, request)
 
 
 @pytest.mark.cluster
 def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(exactness):
-    report = exactness
+    shape, report = exactness
     slots = {"adagrad": 1, "adam_exact": 2, "adamw_exact": 2, "ftrl_exact": 2,
              "sgd_momentum_exact": 1, "files_adagrad": 1}
-    assert sorted(report) == sorted(slots)
+    expected = ([*REPLICA_CASES, "files_adagrad"] if shape == "two_replicas_per_worker"
+                else list(slots))
+    assert sorted(report) == sorted(expected)
     for name, case in report.items():
         for table, result in case["tables"].items():
             assert result["same_ids"], (name, table)
