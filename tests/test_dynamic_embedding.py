@@ -465,10 +465,11 @@ def test_a_functional_models_tables_train_together_as_they_train_one_by_one(monk
                                rtol=1e-5, atol=1e-6)
 
 
-def test_one_asynchronous_worker_trains_as_one_device_stepping_in_order():
+def test_one_asynchronous_worker_trains_as_one_device_stepping_in_order(tmp_path):
     # One worker's steps run one after the other, each deciding for its own batch: ids,
     # counts, last steps, the sketch, rows, Adagrad's slots and the dense weights of
-    # dynamic_scenario's model (admissions and evictions on) are one device's.
+    # dynamic_scenario's model (admissions and evictions on) are one device's. Its
+    # export serves, and its weights file restores, the trained model's predictions.
     import hybrid_strategy
     import dynamic_scenario
     import optimizer_references as references
@@ -479,7 +480,8 @@ def test_one_asynchronous_worker_trains_as_one_device_stepping_in_order():
     loss = keras.losses.BinaryCrossentropy(from_logits=True)
     dataset = tf.data.Dataset.from_tensor_slices(dynamic_scenario.make_data()).batch(
         dynamic_scenario.GLOBAL_BATCH)
-    with hybrid_strategy.HybridStrategy(architecture="ps", asynchronous=True).scope():
+    strategy = hybrid_strategy.HybridStrategy(architecture="ps", asynchronous=True)
+    with strategy.scope():
         model = dynamic_scenario.build_model()
         model.set_weights(weights)
         model.compile(optimizer=keras.optimizers.Adagrad(0.3), loss=loss)
@@ -495,6 +497,18 @@ def test_one_asynchronous_worker_trains_as_one_device_stepping_in_order():
     for mine, theirs in zip(model.weights, reference.weights):
         assert references.error(references.values(mine), references.values(theirs)) <= (
             TOLERANCE), mine.path
+    (users, items), _ = dynamic_scenario.make_data()
+    x = [tf.constant(users[:16]), tf.constant(items[:16])]
+    predicted = model.predict(x, verbose=0)
+    model.export(str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))  # held: serve reads its variables
+    np.testing.assert_allclose(served.serve(x), predicted, rtol=TOLERANCE, atol=1e-7)
+    model.save_weights(str(tmp_path / "model.weights.h5"))
+    with strategy.scope():
+        restored = dynamic_scenario.build_model()
+    restored.load_weights(str(tmp_path / "model.weights.h5"))
+    np.testing.assert_allclose(restored.predict(x, verbose=0), predicted, rtol=TOLERANCE,
+                               atol=1e-7)
 
 
 def test_the_logger_and_the_placement_report_rows_admissions_and_evictions():
