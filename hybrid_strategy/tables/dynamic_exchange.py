@@ -78,7 +78,10 @@ def train(tables, concurrent=False):
     steps = [_Step(table) for table in tables]
     with record.stop_recording():
         _run(steps, ("send_keys",))
-        with step_lock.holding([remap.lock for remap in remaps] if concurrent else []):
+        # Taken once the step's ids are on each table's first shard's task.
+        arrived = [step.arrived[sent[0]] for step in steps for sent in step.sent]
+        with step_lock.holding([remap.lock for remap in remaps] if concurrent else [],
+                               after=arrived):
             _run(steps, ("find", "decide", "settle"))
         return [step.results() for step in steps]
 

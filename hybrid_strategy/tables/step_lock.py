@@ -46,9 +46,11 @@ class StepLock:
 
 
 @contextlib.contextmanager
-def holding(locks):
+def holding(locks, after=()):
     """Within, in a function being traced: every op made waits for every lock of `locks`,
-    and each lock is released once every stateful op made within has run.
+    taken once the tensors `after` are computed (the block's inputs: a step would
+    otherwise hold the locks while they come), and each lock is released once every
+    stateful op made within has run.
 
     The locks are taken one after the other in the order of their names, so that two
     steps holding some of the same locks never wait for each other in a circle. The
@@ -65,7 +67,7 @@ def holding(locks):
     graph = tf.compat.v1.get_default_graph()
     locks, taken = sorted(locks, key=lambda lock: lock.name), []
     for lock in locks:
-        with tf.device(lock.device), tf.control_dependencies(taken[-1:]):
+        with tf.device(lock.device), tf.control_dependencies(taken[-1:] or list(after)):
             taken.append(tf.raw_ops.MutexLock(mutex=lock.handle))
     before = set(graph.get_operations())
     with tf.control_dependencies([taken[-1]]):
