@@ -24,6 +24,13 @@ Cases:
 - transfers (on a cluster): the tensors one worker's step of the click-through model
   sends between tasks (benchmarks/step_transfers.py).
 
+With `--dynamic` it runs the dynamic case alone: two DynamicEmbedding tables (one with
+room for every id, admitting at the second sighting; one of 24 rows, evicting all the
+time) trained by every worker at once, Adagrad; it reports each map's invariants (distinct
+ids, no row held twice, every row held or free once) at the end and in a Keras 3 weights
+file saved mid-epoch, with its counters and counts, and whether every id of the roomy
+table is counted once per step it came in.
+
 With `--concurrent REPEATS` it runs the concurrent case alone instead: every worker
 traces its step at the same time, REPEATS times over, each time with a new model and
 optimizer (Adagrad, Adam, SGD in turn, one or three steps per call), on the linear
@@ -353,6 +360,108 @@ def language_model_case(make_strategy):
             "iterations": int(model.optimizer.iterations.numpy())}
 
 
+# The dynamic case: a table with room for every id, ids admitted at their second
+# sighting (counts never forgotten), and one of few rows, ids evicting each other.
+DYNAMIC_IDS, DYNAMIC_ROOMY, DYNAMIC_TIGHT = 160, 192, 24
+DYNAMIC_BATCH, DYNAMIC_STEPS, DYNAMIC_SAVE_AT = 16, 48, 20
+
+
+def dynamic_data():
+    """Per step, DYNAMIC_BATCH distinct ids of the roomy table (so that a step sees each
+    once) and two ids per example of the tight one, from DYNAMIC_IDS raw 64-bit ids."""
+    rng = np.random.default_rng(11)
+    universe = rng.integers(-2**62, 2**62, DYNAMIC_IDS, dtype=np.int64)
+    roomy = np.concatenate([rng.choice(universe, DYNAMIC_BATCH, replace=False)
+                            for _ in range(DYNAMIC_STEPS)])[:, None]
+    tight = universe[rng.integers(0, DYNAMIC_IDS, (DYNAMIC_BATCH * DYNAMIC_STEPS, 2))]
+    y = rng.normal(size=(len(roomy), 1)).astype("float32")
+    return {"roomy": roomy, "tight": tight}, y
+
+
+def dynamic_model():
+    from hybrid_strategy.layers import DynamicEmbedding
+
+    inputs = {"roomy": keras.Input((1,), dtype="int64", name="roomy"),
+              "tight": keras.Input((2,), dtype="int64", name="tight")}
+    roomy = DynamicEmbedding(4, DYNAMIC_ROOMY, min_count=2, name="roomy_table")(inputs["roomy"])
+    tight = DynamicEmbedding(4, DYNAMIC_TIGHT, combiner="sum", name="tight_table")(
+        inputs["tight"])
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(roomy), tight])
+    return keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
+
+
+def map_invariants(keys, values, free, capacity):
+    """What a map's snapshot must hold whatever order concurrent steps ran in: distinct
+    ids, no row held twice, rows within the capacity, and every row either held or
+    free, once."""
+    rows = values[:, 0][values[:, 0] >= 0]
+    return {"distinct_ids": len(set(keys.tolist())) == len(keys),
+            "no_row_twice": len(set(rows.tolist())) == len(rows),
+            "rows_and_free_are_every_row_once": sorted(rows.tolist() + free.tolist())
+            == list(range(capacity)),
+            "held": int(len(rows)), "free": int(len(free))}
+
+
+class SnapshotMidEpoch(keras.callbacks.Callback):
+    """Saves the weights file after batch DYNAMIC_SAVE_AT (other steps still running)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == DYNAMIC_SAVE_AT:
+            self.model.save_weights(self.path)
+
+
+def dynamic_case(make_strategy, workdir):
+    """DynamicEmbedding tables trained by every worker at once: the maps' invariants at
+    the end and in a weights file saved mid-epoch, and every id's count (the steps it
+    came in) at the end, which no order of the steps changes."""
+    strategy = make_strategy()
+    x, y = dynamic_data()
+    with strategy.scope():
+        model = dynamic_model()
+        model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    path = os.path.join(workdir, "mid_epoch.weights.h5")
+    model.fit(x, y, batch_size=DYNAMIC_BATCH, shuffle=False, verbose=0,
+              callbacks=[SnapshotMidEpoch(path)])
+    out = {"iterations": int(model.optimizer.iterations.numpy())}
+    expected = {}
+    for key in x["roomy"][:, 0].tolist():
+        expected[key] = expected.get(key, 0) + 1
+    # Keras 3 names a weights file's layers by their class, in the model's order.
+    dynamic = [layer.name for layer in model.layers if hasattr(layer, "remap")]
+    for name, capacity in (("roomy_table", DYNAMIC_ROOMY), ("tight_table", DYNAMIC_TIGHT)):
+        index = dynamic.index(name)
+        layer = model.get_layer(name)
+        snapshot = layer.remap.snapshot()
+        keys, values = snapshot["keys"], snapshot["values"]
+        record = layer.remap.rows.numpy()
+        held = values[:, 0] >= 0
+        table = {"end": map_invariants(keys, values, snapshot["free"], capacity),
+                 "stats": layer.table_stats(),
+                 "records_name_their_ids": bool(np.all(record[values[held, 0], 0] == keys[held])),
+                 "remap_devices": list(layer.remap.devices)}
+        with h5py.File(path) as saved:
+            group = saved[f"layers/dynamic_embedding{f'_{index}' if index else ''}/vars"]
+            saved_values = np.asarray(group["remap_values"]).reshape(-1, 3)
+            table["mid_epoch"] = map_invariants(
+                np.asarray(group["remap_keys"]), saved_values, np.asarray(group["remap_free"]),
+                capacity)
+            step, admissions, evictions = np.asarray(group["remap_counters"]).tolist()
+            table["mid_epoch"].update(steps=step, admitted_less_evicted=admissions - evictions,
+                                      counts=int(saved_values[:, 1].sum()))
+        if name == "roomy_table":
+            counts = dict(zip(keys.tolist(), values[:, 1].tolist()))
+            table["counts_are_sightings"] = counts == expected
+            table["counts"], table["sightings"] = sum(counts.values()), len(x["roomy"])
+            table["admitted_are_seen_twice"] = sorted(keys[held].tolist()) == sorted(
+                k for k, n in expected.items() if n >= 2)
+        out[name] = table
+    return out
+
+
 def refusals(make_strategy):
     """What asynchronous training refuses, with the first line of each error."""
     strategy = make_strategy()
@@ -386,12 +495,16 @@ def report(make_strategy, workers):
 def main(argv):
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--concurrent", type=int, default=0)
+    parser.add_argument("--dynamic", action="store_true")
     args, argv = parser.parse_known_args(argv)
     make_strategy = scenario.strategy_maker(argv, architecture="ps", asynchronous=True)
     workers = len(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {}).get(
         "worker", [])) or 1
     if args.concurrent:
         out = {"workers": workers, "fits": concurrent_case(make_strategy, args.concurrent)}
+    elif args.dynamic:
+        with tempfile.TemporaryDirectory() as workdir:
+            out = {"workers": workers, "dynamic": dynamic_case(make_strategy, workdir)}
     else:
         out = report(make_strategy, workers)
     json.dump(out, sys.stdout)

@@ -6,7 +6,9 @@ whose steps run one after the other, so that it must equal single-device trainin
 under Keras 3 and, on one machine, tf_keras. Its cases for 2 workers also run, under
 Keras 3, on tests/test_replicas.py's cluster of 2 workers with 2 replicas each, as part
 of that run. Its concurrent case runs alone on 8 workers under Keras 3 and on 4 under
-tf_keras: every worker traces its step at once, in fit after fit.
+tf_keras: every worker traces its step at once, in fit after fit. Its dynamic case runs
+alone on 4 workers + 2 ps under Keras 3: DynamicEmbedding tables trained by every worker
+at once keep their id -> row maps consistent and count every id once per step.
 """
 
 import functools
@@ -62,6 +64,9 @@ RUNS = Runs({
                                 workers=workers, ps=1),
         f"async concurrent case on {workers} workers under {flavour}", flavour=flavour)
        for key, (workers, flavour) in CONCURRENT.items()},
+    "dynamic": functools.partial(
+        json_report, on_cluster(SCENARIO, "--dynamic", workers=4, ps=2),
+        "async dynamic tables on 4 workers"),
 })
 CLUSTERS = ["cluster", "keras3_replicas"]
 
@@ -69,6 +74,14 @@ CLUSTERS = ["cluster", "keras3_replicas"]
 @pytest.fixture(scope="module")
 def cluster(request):
     return RUNS.result("cluster", request)
+
+
+@pytest.fixture(scope="module")
+def dynamic(request):
+    """DynamicEmbedding tables trained by 4 workers at once on 2 ps."""
+    report = RUNS.result("dynamic", request)
+    assert report["workers"] == 4
+    return report["dynamic"]
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +289,45 @@ def test_a_killed_worker_ends_the_chief_with_exit_75_naming_it(killed_worker):
     assert "/job:worker/task:1 at " in killed_worker.stderr, killed_worker.stderr[-3000:]
     assert "Exiting with code 75" in killed_worker.stderr
     assert "Traceback" not in killed_worker.stderr, killed_worker.stderr[-3000:]
+
+
+DYNAMIC_STEPS, DYNAMIC_SAVE_AT, DYNAMIC_BATCH = 48, 20, 16  # async_scenario.DYNAMIC_*
+
+
+@pytest.mark.parametrize("table", ["roomy_table", "tight_table"])
+def test_concurrent_workers_keep_a_dynamic_tables_map_consistent(dynamic, table):
+    # Each worker's step takes its admissions and evictions on the first shard, under
+    # the table's lock: whatever order 4 workers' steps ran in, no id is held twice
+    # (on two shards of the split table), no row twice, and every row is held or
+    # free once; at the end and in a weights file saved while other steps ran.
+    assert dynamic["iterations"] == DYNAMIC_STEPS
+    result = dynamic[table]
+    stats = result["stats"]
+    assert stats["steps"] == DYNAMIC_STEPS, stats
+    for when in ("end", "mid_epoch"):
+        checked = result[when]
+        assert checked["distinct_ids"] and checked["no_row_twice"], (when, checked)
+        assert checked["rows_and_free_are_every_row_once"], (when, checked)
+    assert result["end"]["held"] == stats["admissions"] - stats["evictions"] == sum(
+        stats["rows_in_use"]), stats
+    assert result["records_name_their_ids"]
+    # The saved step counter, admissions and evictions agree with the saved map.
+    mid = result["mid_epoch"]
+    assert mid["steps"] == DYNAMIC_SAVE_AT + 1 and mid["held"] == mid["admitted_less_evicted"]
+    if table == "tight_table":
+        # Its 24 rows ran out again and again: rows were evicted and given again.
+        assert stats["evictions"] > 100 and result["end"]["free"] == 0, stats
+    else:
+        assert len(result["remap_devices"]) == 2  # split over both ps
+
+
+def test_concurrent_workers_count_every_id_once_per_step_it_came_in(dynamic):
+    # The roomy table forgets no count: each id's count is the number of steps it came
+    # in (each step's ids distinct), which no order of the steps changes; ids seen
+    # twice hold a row. In the mid-epoch save, the counts are those of the steps the
+    # saved counter counts.
+    result = dynamic["roomy_table"]
+    assert result["counts_are_sightings"], (result["counts"], result["sightings"])
+    assert result["counts"] == result["sightings"] == DYNAMIC_STEPS * DYNAMIC_BATCH
+    assert result["admitted_are_seen_twice"]
+    assert result["mid_epoch"]["counts"] == result["mid_epoch"]["steps"] * DYNAMIC_BATCH

@@ -1,6 +1,8 @@
 """DynamicEmbedding: raw-id tables with admission and eviction, exact on a cluster.
 
-In this process: the id -> row map's decisions (admission at `min_count`, LRU and
+In this process: steps holding a table's lock (asynchronous training) run their blocks
+one at a time; one asynchronous worker trains as one device stepping in order; the id ->
+row map's decisions (admission at `min_count`, LRU and
 LFU eviction, ages, a bounded memory under ids that never repeat), waiting ids
 counted in a sketch (admissions against exact counting on a Zipf stream, within the
 stated error; a fixed size; checkpoints restored over other shard counts), the layer's
@@ -20,6 +22,8 @@ ends training exactly where the uninterrupted run ended, the sketch included
 
 import functools
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -62,6 +66,35 @@ def _held(remap):
 
 
 # The id -> row map --------------------------------------------------------------------
+
+
+def test_steps_holding_a_lock_run_their_blocks_one_at_a_time():
+    # A read, a pause and a write of a counter, by two threads' steps at once: under
+    # the lock no step's write is lost, and each step releases it (none waits forever).
+    from hybrid_strategy.tables import step_lock
+
+    lock = step_lock.StepLock("/cpu:0", "counter")
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step():
+        with step_lock.holding([lock]):
+            paused = tf.numpy_function(lambda v: (time.sleep(0.002), v)[1],
+                                       [counter.read_value()], tf.int64)
+            counter.assign(paused + 1)
+
+    def steps():
+        for _ in range(25):
+            step()
+
+    step()  # traced once, before the threads
+    threads = [threading.Thread(target=steps) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a step never got the lock"
+    assert int(counter.numpy()) == 51
 
 
 def test_an_id_gets_a_row_at_its_min_count_th_sighting():
@@ -409,8 +442,8 @@ def test_a_functional_models_tables_train_together_as_they_train_one_by_one(monk
 
     exchanges = []
     train = dynamic_exchange.train
-    monkeypatch.setattr(dynamic_exchange, "train", lambda tables: exchanges.append(
-        sorted(t.remap.name for t in tables)) or train(tables))
+    monkeypatch.setattr(dynamic_exchange, "train", lambda tables, **kwargs: exchanges.append(
+        sorted(t.remap.name for t in tables)) or train(tables, **kwargs))
     rng = np.random.default_rng(0)
     x = [rng.integers(0, 12, (64, 1)) * 10**12 for _ in range(4)]
     y = rng.normal(size=(64, 1)).astype("float32")
@@ -430,6 +463,52 @@ def test_a_functional_models_tables_train_together_as_they_train_one_by_one(monk
         assert together.get_layer(name).table_stats() == alone.get_layer(name).table_stats()
     np.testing.assert_allclose(together.predict(x, verbose=0), alone.predict(x, verbose=0),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_one_asynchronous_worker_trains_as_one_device_stepping_in_order(tmp_path):
+    # One worker's steps run one after the other, each deciding for its own batch: ids,
+    # counts, last steps, the sketch, rows, Adagrad's slots and the dense weights of
+    # dynamic_scenario's model (admissions and evictions on) are one device's. Its
+    # export serves, and its weights file restores, the trained model's predictions.
+    import hybrid_strategy
+    import dynamic_scenario
+    import optimizer_references as references
+
+    keras.utils.set_random_seed(3)
+    reference = dynamic_scenario.build_model()
+    weights = reference.get_weights()
+    loss = keras.losses.BinaryCrossentropy(from_logits=True)
+    dataset = tf.data.Dataset.from_tensor_slices(dynamic_scenario.make_data()).batch(
+        dynamic_scenario.GLOBAL_BATCH)
+    strategy = hybrid_strategy.HybridStrategy(architecture="ps", asynchronous=True)
+    with strategy.scope():
+        model = dynamic_scenario.build_model()
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.Adagrad(0.3), loss=loss)
+    model.fit(dataset, verbose=0)
+    reference.compile(optimizer=keras.optimizers.Adagrad(0.3), loss=loss)
+    reference.fit(dataset, verbose=0)
+    for name in dynamic_scenario.TABLES:
+        result = dynamic_scenario.compare(model.get_layer(name), reference.get_layer(name))
+        assert result["same_ids"] and result["same_sketch"], name
+        assert result["row_error"] <= TOLERANCE and result["slot_error"] <= TOLERANCE, result
+        assert result["stats"] == result["reference_stats"], result
+        assert result["stats"]["evictions"] > 0 and result["slots"] == 1, result
+    for mine, theirs in zip(model.weights, reference.weights):
+        assert references.error(references.values(mine), references.values(theirs)) <= (
+            TOLERANCE), mine.path
+    (users, items), _ = dynamic_scenario.make_data()
+    x = [tf.constant(users[:16]), tf.constant(items[:16])]
+    predicted = model.predict(x, verbose=0)
+    model.export(str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))  # held: serve reads its variables
+    np.testing.assert_allclose(served.serve(x), predicted, rtol=TOLERANCE, atol=1e-7)
+    model.save_weights(str(tmp_path / "model.weights.h5"))
+    with strategy.scope():
+        restored = dynamic_scenario.build_model()
+    restored.load_weights(str(tmp_path / "model.weights.h5"))
+    np.testing.assert_allclose(restored.predict(x, verbose=0), predicted, rtol=TOLERANCE,
+                               atol=1e-7)
 
 
 def test_the_logger_and_the_placement_report_rows_admissions_and_evictions():

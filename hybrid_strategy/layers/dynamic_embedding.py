@@ -53,7 +53,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     Decisions are taken once per training step for the global batch, before any
     row is read, so training on N workers gives what one device gives on the same
-    global batch. Evaluation and prediction look ids up without counting them. The
+    global batch. Under asynchronous training they are taken once per worker's step,
+    for its batch, one step at a time per table (a lock on its first shard's task:
+    tables/step_lock.py). Evaluation and prediction look ids up without counting them. The
     DynamicEmbedding layers of a Keras 3 functional model that read its inputs (each
     called once in it) train together, in one exchange with each PS task
     (tables/dynamic_exchange.py).
@@ -134,11 +136,6 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         dynamic_hooks.install()
 
     def build(self, input_shape=None):
-        if getattr(tf.distribute.get_strategy(), "asynchronous", False):
-            raise NotImplementedError(
-                f"DynamicEmbedding {self.name!r}: asynchronous training is not supported "
-                "(each step runs on one worker, while admission and eviction need every "
-                "replica's ids of a step): use HybridStrategy(asynchronous=False).")
         # Rows are reset when admitted; zeros until then.
         self.embeddings = self.add_weight(name="embeddings",
                                           shape=(self.capacity, self.output_dim),
@@ -339,7 +336,8 @@ def _exchange(layers, strategy, counted):
     """`train_together`'s cross-replica part: per replica, a `Result` per layer."""
     counted = [strategy.experimental_local_results(c) for c in counted]
     results = dynamic_exchange.train(
-        [layer._exchanged(c) for layer, c in zip(layers, counted)])
+        [layer._exchanged(c) for layer, c in zip(layers, counted)],
+        concurrent=getattr(strategy, "asynchronous", False))
     by_replica = tuple(tuple(result[i] for result in results)
                        for i in range(len(counted[0])))
     return by_replica[0] if len(by_replica) == 1 else distribute_utils.regroup(by_replica)

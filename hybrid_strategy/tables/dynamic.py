@@ -62,6 +62,7 @@ import tensorflow as tf
 
 from hybrid_strategy.tables import remap_ops
 from hybrid_strategy.tables import sketch as sketch_lib
+from hybrid_strategy.tables import step_lock
 from hybrid_strategy.tables import table as table_lib
 
 POLICIES = ("lru", "lfu")
@@ -201,6 +202,8 @@ class Remap(tf.__internal__.tracking.AutoTrackable):
         # Waiting ids are counted where the decisions are taken.
         self.sketch = None if admission == "exact" else sketch_lib.WaitingSketch(
             self.max_waiting, self.min_count, admission_error, home, name)
+        # Concurrent steps (asynchronous training) take the decisions one at a time.
+        self.lock = step_lock.StepLock(home, f"{name}_lock")
 
     # Reads -----------------------------------------------------------------------
 

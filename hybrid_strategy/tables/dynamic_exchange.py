@@ -45,6 +45,7 @@ from hybrid_strategy.tensorflow_private import record
 
 from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import dynamic
+from hybrid_strategy.tables import step_lock
 
 # A table's part: its `Remap`; the PS table of its rows when it is split as the map is
 # (one shard per map shard), else None (the caller looks its rows up); `reset(rows,
@@ -59,12 +60,16 @@ Table = collections.namedtuple("Table", "remap rows reset counted")
 Result = collections.namedtuple("Result", "rows held_rows vectors shard held_on_ps")
 
 
-def train(tables):
+def train(tables, concurrent=False):
     """Admission, eviction and the rows of every `Table`, for the global batch, in one
     exchange; in a cross-replica context. Returns, per table, a `Result` per replica.
 
     Each table's step finds its ids before any table's decisions are written: a map
     may take part once (a layer called twice trains twice, one call after the other).
+    `concurrent`: other steps may train the same tables at the same time (asynchronous
+    training); each step then holds every table's `Remap.lock` from its finds to its
+    rows' reads (`step_lock.holding`), so that its finds, decisions, writes, resets and
+    reads see no other step's writes and another step sees all of them or none.
     """
     remaps = [table.remap for table in tables]
     if len({id(remap) for remap in remaps}) < len(remaps):
@@ -72,15 +77,25 @@ def train(tables):
                          "train a layer's calls one after the other.")
     steps = [_Step(table) for table in tables]
     with record.stop_recording():
-        for part in ("send_keys", "find", "decide", "settle"):
-            outbox = wire.Outbox()
-            for step in steps:
-                with tf.name_scope(f"{step.remap.name}_{part}"):
-                    getattr(step, part)(outbox)
-            arrived = outbox.deliver()
-            for step in steps:
-                step.arrived = arrived
+        _run(steps, ("send_keys",))
+        # Taken once the step's ids are on each table's first shard's task.
+        arrived = [step.arrived[sent[0]] for step in steps for sent in step.sent]
+        with step_lock.holding([remap.lock for remap in remaps] if concurrent else [],
+                               after=arrived):
+            _run(steps, ("find", "decide", "settle"))
         return [step.results() for step in steps]
+
+
+def _run(steps, parts):
+    """The `parts` of every table's step, each part's transfers delivered at once."""
+    for part in parts:
+        outbox = wire.Outbox()
+        for step in steps:
+            with tf.name_scope(f"{step.remap.name}_{part}"):
+                getattr(step, part)(outbox)
+        arrived = outbox.deliver()
+        for step in steps:
+            step.arrived = arrived
 
 
 class _Step:
