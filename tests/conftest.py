@@ -58,6 +58,13 @@ def cpu_groups_here():
         pytest.skip(f"no writable CPU cgroups here: {e}")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    if not (session.config.option.collectonly or session.config.option.setuponly):
+        import runs  # pylint: disable=import-outside-toplevel
+        runs.start_in_order(session.items)
+
+
 def pytest_sessionfinish():
     import runs  # pylint: disable=import-outside-toplevel
-    runs.drop_queued()
+    runs.end_session()

@@ -6,11 +6,12 @@ tf_keras, and always import the package from this checkout:
     report = json_report(on_cluster("tests/scenario.py", workers=2, ps=1), "scenario")
 """
 
-import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent import futures
 
@@ -88,11 +89,42 @@ def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=RO
 # Chief programs run in the background, two at a time: a chief alone keeps about one of
 # two cores busy (it traces while its servers wait), so the next one runs beside it.
 _POOL = futures.ThreadPoolExecutor(2, thread_name_prefix="runs")
+_DIRECTORIES = []  # the session's directory for the runs' files, once one needs it
 
 
-def drop_queued():
-    """Drops the programs not started yet (the session ends early: -x, an interrupt)."""
+def start_in_order(items):
+    """Starts, in the order of `items`, every job of a module's `Runs` that one of them
+    names: the whole session's chief programs queue at once, so that two run at every
+    moment, the next module's while this module's last one ends."""
+    by_module = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None:
+            by_module.setdefault(module, []).append(item)
+    for module, module_items in by_module.items():
+        named = set()
+        for item in module_items:
+            callspec = getattr(item, "callspec", None)
+            named.update(item.fixturenames,
+                         map(str, callspec.params.values()) if callspec else ())
+        for runs in vars(module).values():
+            if isinstance(runs, Runs):
+                runs.start(named)
+
+
+def end_session():
+    """Drops the programs not started yet (the session ends early: -x, an interrupt)
+    and the runs' files."""
     _POOL.shutdown(wait=False, cancel_futures=True)
+    for directory in _DIRECTORIES:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def new_directory(name):
+    """A new directory for one run's files, removed when the session ends."""
+    if not _DIRECTORIES:
+        _DIRECTORIES.append(tempfile.mkdtemp(prefix="hybrid_strategy_runs_"))
+    return tempfile.mkdtemp(prefix=f"{name}_", dir=_DIRECTORIES[0])
 
 
 class Job:
@@ -108,7 +140,14 @@ class Job:
             self._future = _POOL.submit(self._run)
 
     def result(self):
-        self.start()
+        """The run's result; a run no test named up front runs now, in this thread, not
+        behind every program queued for the session."""
+        if self._future is None:
+            self._future = futures.Future()
+            try:
+                self._future.set_result(self._run())
+            except BaseException as e:  # pylint: disable=broad-except
+                self._future.set_exception(e)
         return self._future.result()
 
 
@@ -116,42 +155,35 @@ class Runs:
     """The chief programs of a test module, started before the tests need them.
 
     `jobs` maps a key to a function (or another module's `Job`); a test names a job by
-    a parameter or a fixture of the same name. The first result a module asks for starts,
-    in order, every job its selected tests name:
+    a parameter or a fixture of the same name. A module keeps its `Runs` in a global:
+    when the session starts, `start_in_order` starts every job its selected tests name.
 
         RUNS = Runs({flavour: functools.partial(json_report, arguments, what, flavour)
                      for flavour in ("keras3", "tf_keras")})
 
         @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
         def report(request):
-            return RUNS.result(request.param, request)
+            return RUNS.result(request.param)
     """
 
     def __init__(self, jobs):
         self._jobs = {key: job if isinstance(job, Job) else Job(job)
                       for key, job in jobs.items()}
-        self._modules = set()
 
     @classmethod
-    def in_directories(cls, run, keys, tmp_path_factory):
+    def in_directories(cls, run, keys):
         """The runs of `run(key, directory)` for each of `keys`, each in a new directory."""
-        return cls({key: functools.partial(run, key, str(tmp_path_factory.mktemp(key)))
-                    for key in keys})
+        return cls({key: lambda key=key: run(key, new_directory(key)) for key in keys})
 
     def job(self, key):
         return self._jobs[key]
 
-    def result(self, key, request):
+    def start(self, named):
+        """Starts, in order, the jobs whose keys are in `named`."""
+        for name, job in self._jobs.items():
+            if name in named:
+                job.start()
+
+    def result(self, key):
         """Job `key`'s result, once it is done."""
-        if request.module.__name__ not in self._modules:
-            self._modules.add(request.module.__name__)
-            named = set()
-            for item in request.session.items:
-                if getattr(item, "module", None) is request.module:
-                    callspec = getattr(item, "callspec", None)
-                    named.update(item.fixturenames, map(str, callspec.params.values())
-                                 if callspec else ())
-            for name, job in self._jobs.items():
-                if name in named:
-                    job.start()
         return self._jobs[key].result()

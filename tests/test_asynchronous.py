@@ -72,37 +72,37 @@ CLUSTERS = ["cluster", "keras3_replicas"]
 
 
 @pytest.fixture(scope="module")
-def cluster(request):
-    return RUNS.result("cluster", request)
+def cluster():
+    return RUNS.result("cluster")
 
 
 @pytest.fixture(scope="module")
-def dynamic(request):
+def dynamic():
     """DynamicEmbedding tables trained by 4 workers at once on 2 ps."""
-    report = RUNS.result("dynamic", request)
+    report = RUNS.result("dynamic")
     assert report["workers"] == 4
     return report["dynamic"]
 
 
 @pytest.fixture(scope="module")
-def killed_worker(request):
-    return RUNS.result("killed_worker", request)
+def killed_worker():
+    return RUNS.result("killed_worker")
 
 
 @pytest.fixture(scope="module")
-def keras3_replicas(request):
+def keras3_replicas():
     """2 workers of 2 replicas each (and 1 ps)."""
-    return RUNS.result("keras3_replicas", request)[0]["asynchronous"]
+    return RUNS.result("keras3_replicas")[0]["asynchronous"]
 
 
 @pytest.fixture(scope="module")
-def keras3_one_machine(request):
-    return RUNS.result("keras3_one_machine", request)
+def keras3_one_machine():
+    return RUNS.result("keras3_one_machine")
 
 
 @pytest.fixture(scope="module")
-def tf_keras_one_machine(request):
-    return RUNS.result("tf_keras_one_machine", request)
+def tf_keras_one_machine():
+    return RUNS.result("tf_keras_one_machine")
 
 
 @pytest.fixture(params=["keras3_one_machine", "tf_keras_one_machine"])
@@ -123,7 +123,7 @@ def report(request):
 @pytest.fixture(scope="module", params=sorted(CONCURRENT))
 def concurrent(request):
     """Fits whose steps every worker traces at once (async_scenario.concurrent_case)."""
-    report = RUNS.result(request.param, request)
+    report = RUNS.result(request.param)
     assert report["workers"] == CONCURRENT[request.param][0]
     return report["fits"]
 

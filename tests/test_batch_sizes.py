@@ -52,9 +52,9 @@ RUNS = Runs({shape: functools.partial(json_report, arguments, f"batch sizes on {
 
 
 @pytest.fixture(scope="module")
-def run_shape(request):
+def run_shape():
     """`run_shape(shape)`: the report of `tests/batch_sizes.py` on `shape`, run once."""
-    return functools.partial(RUNS.result, request=request)
+    return RUNS.result
 
 
 def shape_cases():

@@ -21,7 +21,6 @@ Restored weights, optimizer slots and iterations must equal the saved ones exact
 """
 
 import contextlib
-import functools
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ import numpy as np
 import pytest
 
 import crafted_h5
-from runs import Runs, json_report, on_cluster
+from runs import Runs, json_report, new_directory, on_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -273,23 +272,19 @@ def _tf_keras_phases(directory):
             "three_ps": _phase("restore", directory, ps=3, tf_keras=True)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The phases of each flavour, one after the other; both flavours at once."""
-    return Runs({"reports": functools.partial(
-                     _keras3_phases, str(tmp_path_factory.mktemp("checkpoints"))),
-                 "tf_keras_reports": functools.partial(
-                     _tf_keras_phases, str(tmp_path_factory.mktemp("tf_keras_checkpoints")))})
+# The phases of each flavour, one after the other; both flavours at once.
+RUNS = Runs({"reports": lambda: _keras3_phases(new_directory("checkpoints")),
+             "tf_keras_reports": lambda: _tf_keras_phases(new_directory("tf_keras_checkpoints"))})
 
 
 @pytest.fixture(scope="module")
-def reports(request, runs):
-    return runs.result("reports", request)
+def reports():
+    return RUNS.result("reports")
 
 
 @pytest.fixture(scope="module")
-def tf_keras_reports(request, runs):
-    return runs.result("tf_keras_reports", request)
+def tf_keras_reports():
+    return RUNS.result("tf_keras_reports")
 
 
 def _assert_equal_to_saved(restored, keys, shards):

@@ -614,14 +614,12 @@ def save_and_restore(flavour, directory):
             "three_ps": phase("restore", 3)}
 
 
-@pytest.fixture(scope="module")
-def checkpoint_runs(tmp_path_factory):
-    return Runs.in_directories(save_and_restore, FLAVOURS, tmp_path_factory)
+CHECKPOINT_RUNS = Runs.in_directories(save_and_restore, FLAVOURS)
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
-def restored(request, checkpoint_runs):
-    return checkpoint_runs.result(request.param, request)
+def restored(request):
+    return CHECKPOINT_RUNS.result(request.param)
 
 
 REPLICA_CASES = ("adagrad", "adam_exact")
@@ -637,14 +635,14 @@ RUNS = Runs({
 
 @pytest.fixture(scope="module", params=FLAVOURS)
 def report(request):
-    return RUNS.result(request.param, request)
+    return RUNS.result(request.param)
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras", "two_replicas_per_worker"])
 def exactness(request):
     """(shape, the scenario's report): Keras 3, tf_keras, and Keras 3 with 2 replicas per
     worker (`REPLICA_CASES` and the files' case)."""
-    return request.param, RUNS.result(request.param, request)
+    return request.param, RUNS.result(request.param)
 
 
 @pytest.mark.cluster
@@ -686,14 +684,14 @@ def test_every_ids_row_and_slots_match_one_device_with_admission_and_eviction(ex
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("run", ["keras3", "two_replicas_per_worker"])
-def test_a_models_dynamic_tables_share_one_exchange_per_pair_of_tasks(request, run):
+def test_a_models_dynamic_tables_share_one_exchange_per_pair_of_tasks(run):
     # Keras 3 functional models train every DynamicEmbedding reading their inputs at
     # once: both tables, split over both ps, cross in one tensor each way between a
     # worker and a ps (the ids out, every row back) and between the two ps (the finds
     # of the second, then the first's decisions). ps1 sums no dense gradient, and
     # worker1 sends no reads of the optimizer (worker0 does): the other tensor worker1
     # sends ps1 is its gradient push.
-    for name, case in RUNS.result(run, request).items():
+    for name, case in RUNS.result(run).items():
         transfers = case["transfers"]
         assert transfers["ps0->ps1"] == transfers["ps1->ps0"] == 1, (name, transfers)
         assert transfers["ps1->worker0"] == transfers["ps1->worker1"] == 1, (name, transfers)

@@ -34,14 +34,12 @@ def reports(flavour, out_dir):
     return result, reference
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs.in_directories(reports, FLAVOURS, tmp_path_factory)
+RUNS = Runs.in_directories(reports, FLAVOURS)
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
-def report(request, runs):
-    result, reference = runs.result(request.param, request)
+def report(request):
+    result, reference = RUNS.result(request.param)
     assert result["replicas"] == 2
     return result, reference
 

@@ -40,7 +40,7 @@ RUNS = Runs({shape: functools.partial(json_report, arguments, f"scenario on {sha
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
-    return request.param, RUNS.result(request.param, request)
+    return request.param, RUNS.result(request.param)
 
 
 def num_ps(shape):

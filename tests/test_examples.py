@@ -3,7 +3,7 @@
 The programs run in the background, two at a time.
 """
 
-import functools
+import glob
 import importlib
 import os
 import subprocess
@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from runs import Runs
+from runs import Runs, new_directory
 
 pytestmark = pytest.mark.cluster
 
@@ -91,7 +91,7 @@ def criteo_programs(data_dir):
                                       timeout=300, env=env, cwd=REPO, check=False))
         if results[-1].returncode != 0:
             break
-    return results, len(list((data_dir / "train").glob("*.tfrecord")))
+    return results, len(glob.glob(os.path.join(data_dir, "train", "*.tfrecord")))
 
 
 def readme_main_job():
@@ -105,26 +105,24 @@ def readme_main_job():
                           cwd=REPO, check=False)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs({"text_classifier": text_classifier_program,
-                 "criteo": functools.partial(criteo_programs, tmp_path_factory.mktemp("criteo")),
-                 "readme_job": readme_main_job})
+RUNS = Runs({"text_classifier": text_classifier_program,
+             "criteo": lambda: criteo_programs(new_directory("criteo")),
+             "readme_job": readme_main_job})
 
 
 @pytest.fixture
-def text_classifier(request, runs):
-    return runs.result("text_classifier", request)
+def text_classifier():
+    return RUNS.result("text_classifier")
 
 
 @pytest.fixture
-def criteo(request, runs):
-    return runs.result("criteo", request)
+def criteo():
+    return RUNS.result("criteo")
 
 
 @pytest.fixture
-def readme_job(request, runs):
-    return runs.result("readme_job", request)
+def readme_job():
+    return RUNS.result("readme_job")
 
 
 def test_text_classifier_runs_as_a_program(text_classifier):

@@ -45,8 +45,8 @@ RUNS = Runs({**{victim: functools.partial(launched, 2, FAULTY_CHIEF, str(server)
 
 
 @pytest.mark.parametrize("victim", VICTIMS)
-def test_killed_task_ends_the_chief_with_exit_75_naming_it(request, victim):
-    run = RUNS.result(victim, request)
+def test_killed_task_ends_the_chief_with_exit_75_naming_it(victim):
+    run = RUNS.result(victim)
     assert run.returncode == 75, run.stderr[-3000:]
     job, index, address = json.loads(run.stdout.splitlines()[0])
     assert "training went on" not in run.stdout
@@ -58,8 +58,8 @@ def test_killed_task_ends_the_chief_with_exit_75_naming_it(request, victim):
 
 
 @pytest.fixture
-def unavailable(request):
-    return RUNS.result("unavailable", request)
+def unavailable():
+    return RUNS.result("unavailable")
 
 
 def test_an_error_no_lost_task_caused_is_left_alone(unavailable):

@@ -147,14 +147,12 @@ def load(path):
         return {name: state[name] for name in state.files}
 
 
-@pytest.fixture(scope="module")
-def restarts(tmp_path_factory):
-    return Runs.in_directories(restarting_launcher, RESTARTS, tmp_path_factory)
+RESTART_RUNS = Runs.in_directories(restarting_launcher, RESTARTS)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(request, restarts):
-    run, out = restarts.result("uninterrupted", request)
+def uninterrupted():
+    run, out = RESTART_RUNS.result("uninterrupted")
     assert run.returncode == 0, run.stderr[-3000:]
     state = load(out)
     assert list(state.pop("epochs_run")) == [0, 1, 2, 3]
@@ -174,8 +172,8 @@ def assert_same_state(state, expected):
 @pytest.mark.parametrize("victim, task", [("worker", "/job:worker/task:1"),
                                           ("ps", "/job:ps/task:0")], ids=["worker", "ps"])
 def test_launcher_restarts_after_a_killed_task_and_resumes_from_the_backup(
-        request, restarts, uninterrupted, victim, task):
-    run, out = restarts.result(victim, request)
+        uninterrupted, victim, task):
+    run, out = RESTART_RUNS.result(victim)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (f"hybrid_strategy.launch: server {task} (pid " in run.stderr
             and "was killed by SIGKILL; the chief exited with code 75 (a task was lost); "

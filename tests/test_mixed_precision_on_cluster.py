@@ -30,8 +30,8 @@ RUNS = Runs({"report": lambda: json_report(on_cluster(SCRIPT, workers=2, ps=1),
 
 
 @pytest.fixture(scope="module")
-def report(request):
-    return RUNS.result("report", request)
+def report():
+    return RUNS.result("report")
 
 
 @pytest.mark.parametrize("policy", sorted(TOLERANCES))

@@ -42,7 +42,7 @@ RUNS = Runs({shape: functools.partial(
 def report(request):
     """(replica devices, {case: report}) of the scenario on shape `request.param`."""
     flavour, workers, devices = SHAPES[request.param]
-    result = RUNS.result(request.param, request)
+    result = RUNS.result(request.param)
     assert sorted(result) == sorted(CASES[flavour])
     return [f"/job:worker/replica:0/task:{i}/device:CPU:{d}"
             for i in range(workers) for d in range(devices)], result

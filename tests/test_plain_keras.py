@@ -49,7 +49,7 @@ RUNS = Runs({flavour: functools.partial(json_report, [SCENARIO],
 
 @pytest.fixture(scope="module", params=FLAVOURS)
 def report(request):
-    return RUNS.result(request.param, request)
+    return RUNS.result(request.param)
 
 
 def differences(before, after, path=""):

@@ -56,7 +56,7 @@ RUNS = Runs({flavour: functools.partial(launcher_run, flavour) for flavour in FL
 
 @pytest.fixture(scope="module", params=FLAVOURS)
 def launched(request):
-    return RUNS.result(request.param, request)
+    return RUNS.result(request.param)
 
 
 @pytest.fixture(scope="module")

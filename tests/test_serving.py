@@ -44,14 +44,12 @@ def train_and_serve(flavour, out_dir):
     return flavour, trained, served
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs.in_directories(train_and_serve, FLAVOURS, tmp_path_factory)
+RUNS = Runs.in_directories(train_and_serve, FLAVOURS)
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
-def served(request, runs):
-    return runs.result(request.param, request)
+def served(request):
+    return RUNS.result(request.param)
 
 
 @pytest.mark.cluster

@@ -53,7 +53,7 @@ RUNS = Runs({shape: functools.partial(shape_report, shape) for shape in SHAPES})
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def report(request):
-    return RUNS.result(request.param, request)
+    return RUNS.result(request.param)
 
 
 def read_by_row(path, flavour):
@@ -147,16 +147,16 @@ def test_trained_weights_match_single_device(report, case):
 
 
 @pytest.mark.parametrize("shape,case", MIRRORED_PAIRS)
-def test_trained_weights_match_mirrored_strategy(request, shape, case):
-    errors = RUNS.result(shape, request)[3][case]["vs_mirrored"]
+def test_trained_weights_match_mirrored_strategy(shape, case):
+    errors = RUNS.result(shape)[3][case]["vs_mirrored"]
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE, (
         f"{case}: {worst} differs from MirroredStrategy by {errors[worst]:.2e}")
 
 
 @pytest.mark.parametrize("shape", MIRRORED_SHAPES)
-def test_both_strategies_train_in_one_process(request, shape):
-    turns = RUNS.result(shape, request)[3]["two_strategies"]
+def test_both_strategies_train_in_one_process(shape):
+    turns = RUNS.result(shape)[3]["two_strategies"]
     assert set(turns) == {"hybrid", "mirrored", "hybrid_again", "mirrored_again"}
     assert max(turns.values()) <= TOLERANCE, turns
 

@@ -46,9 +46,9 @@ RUNS = Runs({name: functools.partial(
 
 
 @pytest.fixture(scope="module")
-def case(request):
+def case():
     """`case(run, name)`: that case's report; one cluster run per run of RUN_SHAPES."""
-    return lambda run, name: RUNS.result(run, request)[name]
+    return lambda run, name: RUNS.result(run)[name]
 
 
 def uses(ids):
