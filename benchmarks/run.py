@@ -821,9 +821,6 @@ def parse(argv):
         parser.error(f"--steps-per-execution {n}: must be at least 1 and divide --steps "
                      f"({options.steps}) and --warmup ({options.warmup}), whose windows "
                      "start and end between calls")
-    if n > 1 and "pss" in options.contender_list:
-        parser.error("--steps-per-execution > 1: the pss contender measures whole epochs "
-                     "of scheduled steps; leave it out")
     if options.link_gbit is not None and options.link_gbit <= 0:
         parser.error("--link-gbit must be positive")
     if options.stall_timeout <= 0:
