@@ -83,7 +83,9 @@ REACHES = {
     "save_context": (("in_save_context",), "whether tf.saved_model.save is tracing"),
     "saveable_object": (("SaveSpec",), "a checkpoint tensor built lazily on its ps"),
     "auto_control_deps": (("op_is_stateful",), "which ops a task's side effects order"),
-    "context": (("async_wait", "context"), "waits for eager ops; this process's task"),
+    "context": (("async_wait", "context", "context_safe"),
+                "waits for eager ops; this process's task; whether its runtime has started "
+                "(before the launcher forks servers)"),
     # Input: TensorFlow's distribution of a dataset over workers.
     "input_lib": (("DistributedIterator", "InputWorkers", "_calculate_replicas_with_values",
                    "_create_per_replica", "_get_value_or_dummy"),

@@ -1,6 +1,6 @@
 """Tests of the launcher and the server entry point, with real processes.
 
-Each cluster start costs a few seconds (every server imports TensorFlow), so one launcher
+Each cluster start costs a few seconds (the launcher imports TensorFlow), so one launcher
 run is shared by the tests that only inspect its result. The chief scripts report the
 server pids from HYBRID_STRATEGY_SERVER_PIDS, which the launcher sets for the chief.
 """
@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 
 import pytest
@@ -30,9 +32,13 @@ ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
 # A chief that prints what it was given as one JSON line.
 REPORT = (
     "import json, os, sys\n"
+    f"servers = [int(p) for p in os.environ[{launch.SERVER_PIDS_ENV!r}].split(',')]\n"
+    "def command(pid):\n"
+    "    with open(f'/proc/{pid}/cmdline', 'rb') as f:\n"
+    "        return f.read().decode().split(chr(0))[:-1]\n"
     "print(json.dumps({'tf_config': json.loads(os.environ['TF_CONFIG']), 'pid': os.getpid(),\n"
-    f"  'servers': [int(p) for p in os.environ[{launch.SERVER_PIDS_ENV!r}].split(',')]}}),\n"
-    "  flush=True)\n"
+    "  'servers': servers, 'launcher': command(os.getppid()),\n"
+    "  'server_commands': [command(pid) for pid in servers]}), flush=True)\n"
 )
 
 
@@ -86,6 +92,12 @@ def test_cli_reports_ready_and_leaves_no_server(exit_3):
     assert "hybrid_strategy.launch: 1 worker + 1 ps on 127.0.0.1 ready in" in run.stderr
     assert len(report["servers"]) == 2
     assert all(gone(pid) for pid in report["servers"])
+
+
+def test_cli_forks_its_servers_from_itself(exit_3):
+    _, report = exit_3
+    assert report["server_commands"] == [report["launcher"]] * 2
+    assert "hybrid_strategy.launch" in report["launcher"]
 
 
 def test_cli_passes_a_chief_crash_through_and_leaves_no_server():
@@ -231,10 +243,82 @@ def test_local_cluster_retries_when_a_port_is_taken(monkeypatch):
         cluster.wait_for_tasks(local.config, timeout=1)
 
 
+# A program that starts a LocalCluster of forked servers, runs a chief that connects and
+# goes, waits for the servers to start afresh without it (as `python -m
+# hybrid_strategy.server`), runs a second chief, and then, with TensorFlow's runtime started
+# in itself, asks for forked servers again. Prints what it saw as one JSON line.
+FORKING_PROGRAM = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from hybrid_strategy.cluster import config as cluster
+    from hybrid_strategy.cluster.launch import LocalCluster
+
+    CHIEF = (
+        "import tensorflow as tf\\n"
+        "from hybrid_strategy.cluster import config, connection\\n"
+        "connection.devices(config.from_environment(), 'hybrid', None, timeout=60)\\n"
+        "with tf.device('/job:ps/task:0'):\\n"
+        "    print(float(tf.Variable(2.0) * 3.0))\\n")
+
+    def command(pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode().split(chr(0))[:-1]
+
+    def chief(local):
+        return subprocess.run([sys.executable, "-c", CHIEF], env=local.chief_environ(),
+                              capture_output=True, text=True, check=True).stdout.split()[-1]
+
+    report = {}
+    with LocalCluster(workers=1, ps=1, fork_servers=True) as local:
+        report["forked"] = [command(pid) == command(os.getpid()) for pid in local.pids]
+        report["first"] = chief(local)
+        deadline = time.monotonic() + 60
+        while any(command(pid) == command(os.getpid()) for pid in local.pids):
+            assert time.monotonic() < deadline, "the servers did not start afresh"
+            time.sleep(0.2)
+        report["afresh"] = [command(pid)[1:] for pid in local.pids]
+        cluster.wait_for_tasks(local.config, 60)
+        report["second"] = chief(local)
+    report["exit codes"] = [process.returncode for process in local.processes]
+    import tensorflow as tf
+    tf.constant(1.0)
+    try:
+        LocalCluster(workers=1, ps=0, fork_servers=True).start()
+    except RuntimeError as e:
+        report["refused"] = str(e)
+    print(json.dumps(report))
+""")
+
+
+def test_forked_servers_start_afresh_as_the_server_command_and_serve_the_next_chief():
+    run = subprocess.run([sys.executable, "-c", FORKING_PROGRAM], env=ENV, cwd=REPO,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["forked"] == [True, True]
+    assert report["afresh"] == [["-m", "hybrid_strategy.server"]] * 2
+    assert report["first"] == report["second"] == "6.0"
+    assert report["exit codes"] == [0, 0]  # SIGTERM is a clean exit
+    assert report["refused"].startswith(
+        "fork_servers=True, but TensorFlow's runtime has started in this process")
+
+
+def test_forked_servers_refuse_a_process_with_other_threads():
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"this process runs \d+ Python threads"):
+            LocalCluster(workers=1, ps=0, fork_servers=True).start()
+    finally:
+        release.set()
+        other.join()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"workers": 0}, "workers must be an integer >= 1, got 0"),
     ({"ps": -1}, "ps must be an integer >= 0, got -1"),
     ({"startup_timeout": 0}, "startup_timeout must be a positive number"),
+    ({"fork_servers": True, "env": {"A": "1"}}, "pass one or the other"),
 ])
 def test_local_cluster_checks_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -2,10 +2,12 @@
 
     python -m hybrid_strategy.launch --workers 2 --ps 1 -- python train.py --epochs 3
 
-Every worker and ps task runs `python -m hybrid_strategy.server`; the command after `--` runs
-as the chief, with TF_CONFIG naming task chief/0 of that cluster and HYBRID_STRATEGY_SERVER_PIDS
-listing the server process ids. `--devices-per-worker N` gives every worker N CPU devices (N
-replicas); `--data-service-workers N` also starts a tf.data service dispatcher and N tf.data
+Every worker and ps task runs hybrid_strategy.server in a fork of the launcher, which imports
+TensorFlow once for them all (as `python -m hybrid_strategy.server`, each would import it
+anew: 3 s of CPU apiece); the command after `--` runs as the chief, with TF_CONFIG naming
+task chief/0 of that cluster and HYBRID_STRATEGY_SERVER_PIDS listing the server process ids.
+`--devices-per-worker N` gives every worker N CPU devices (N replicas);
+`--data-service-workers N` also starts a tf.data service dispatcher and N tf.data
 service workers, and passes the dispatcher's address in HYBRID_STRATEGY_DATA_SERVICE. The
 launcher exits with the chief's exit code (128 + signal number if a signal killed it) and
 leaves no server behind, whether the chief succeeds, fails or is interrupted. With `--max-restarts N` it starts a fresh cluster and runs the chief again after
@@ -22,6 +24,7 @@ interface. From Python, e.g. in a test fixture (on the host's network):
 """
 import argparse
 import atexit
+import contextlib
 import ctypes
 import fcntl
 import os
@@ -31,7 +34,10 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+import traceback
+import warnings
 
 from hybrid_strategy.cluster import config as cluster_lib
 from hybrid_strategy.cluster import data_service
@@ -110,7 +116,11 @@ class LocalCluster:
     replicas of it (`python -m hybrid_strategy.server --cpu-devices`);
     `data_service_workers` > 0 also starts a tf.data service dispatcher and that many
     tf.data service workers (hybrid_strategy.data_service), whose address `chief_environ`
-    passes on. On Linux the servers
+    passes on. `fork_servers=True` starts each server as a fork of this process, which
+    imports TensorFlow once for them all, instead of as `python -m hybrid_strategy.server`:
+    the cluster serves sooner and takes less CPU to start, but their process listing
+    shows this process's command line; it needs a process with one Python thread that has
+    not started TensorFlow's runtime, and no `env`. On Linux the servers
     are killed if this process dies; the kernel ties them to the *thread* that starts them,
     so start the cluster from a thread that outlives it (e.g. the main thread).
 
@@ -121,7 +131,8 @@ class LocalCluster:
     """
 
     def __init__(self, workers=2, ps=1, *, devices_per_worker=1, data_service_workers=0,
-                 host="127.0.0.1", startup_timeout=60.0, env=None, quiet=True):
+                 host="127.0.0.1", startup_timeout=60.0, env=None, quiet=True,
+                 fork_servers=False):
         _check_count("workers", workers, minimum=1)
         _check_count("ps", ps, minimum=0)
         _check_count("devices_per_worker", devices_per_worker, minimum=1)
@@ -130,12 +141,18 @@ class LocalCluster:
             raise ValueError(
                 f"startup_timeout must be a positive number of seconds, got {startup_timeout!r}."
             )
+        if fork_servers and env:
+            raise ValueError(
+                "fork_servers=True starts the servers with this process's modules already "
+                "imported, so an `env` for them could not apply at their start; pass one or "
+                "the other.")
         self.workers, self.ps, self.host = workers, ps, host
         self.devices_per_worker = devices_per_worker
         self.data_service_workers = data_service_workers
         self.data_service_dispatcher: str | None = None  # "host:port" once started
         self.startup_timeout = startup_timeout
         self.quiet = quiet
+        self.fork_servers = fork_servers
         self._env = dict(env or {})
         self.config: cluster_lib.ClusterConfig | None = None
         self.processes: list[subprocess.Popen] = []
@@ -185,6 +202,8 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         self.config = _local_config(self.workers, self.ps, self.host)
         self.processes, self._servers = [], []
+        if self.fork_servers:
+            _prepare_to_fork_servers(self.quiet)
         atexit.register(self.close)
         try:
             for job, index, address in self.config.tasks():
@@ -192,8 +211,7 @@ class LocalCluster:
                     devices = (["--cpu-devices", str(self.devices_per_worker)]
                                if job == "worker" and self.devices_per_worker > 1 else [])
                     self._start_server(
-                        self.config.device(job, index), address,
-                        [sys.executable, "-m", "hybrid_strategy.server", *devices],
+                        self.config.device(job, index), address, server_lib.command(devices),
                         TF_CONFIG=self.config.to_tf_config(job, index))
             self._start_data_service()
             cluster_lib.wait_for_tasks(
@@ -262,10 +280,14 @@ class LocalCluster:
 
     def _start_server(self, name: str, address: str, argv: list[str], **extra_env) -> None:
         """Starts one server process; `name` and `address` describe it in messages."""
-        output = subprocess.DEVNULL if self.quiet else None
         self._servers.append((name, address))
+        environ = self._server_environ(extra_env)
+        if self.fork_servers and argv[:3] == server_lib.command([]):
+            self.processes.append(_fork_server(argv[3:], environ, self.quiet))
+            return
+        output = subprocess.DEVNULL if self.quiet else None
         self.processes.append(subprocess.Popen(
-            argv, env=self._server_environ(extra_env),
+            argv, env=environ,
             stdin=subprocess.DEVNULL, stdout=output, stderr=output,
             # Own session: a Ctrl-C meant for the chief does not hit the servers, which
             # the launcher stops itself, in order.
@@ -300,6 +322,118 @@ class LocalCluster:
                     f"{_describe_exit(code)} while the cluster was starting; {hint}.",
                     code,
                 )
+
+
+def _prepare_to_fork_servers(quiet: bool) -> None:
+    """Imports TensorFlow here once, for every forked server; raises RuntimeError where
+    forking this process could leave a server's copy of it locked or in a broken state."""
+    if not hasattr(os, "fork"):
+        raise RuntimeError("fork_servers=True needs os.fork, which this platform lacks; "
+                           "start the servers with fork_servers=False.")
+    if threading.active_count() > 1:
+        raise RuntimeError(
+            f"fork_servers=True, but this process runs {threading.active_count()} Python "
+            "threads, whose locks a forked server could inherit held; start the cluster "
+            "before other threads, or with fork_servers=False.")
+    # A server imports TensorFlow when it starts serving; importing it (and only that:
+    # no op runs here) before forking saves each server the 3 s of CPU it takes. Its
+    # start-up chatter goes where a quiet server's would, whatever TF_CPP_MIN_LOG_LEVEL.
+    with _stderr_to(os.devnull if quiet else None):
+        import tensorflow  # pylint: disable=import-outside-toplevel,unused-import
+        # TF-private: whether TensorFlow's runtime (its eager context) has started here.
+        from hybrid_strategy.tensorflow_private import context  # pylint: disable=import-outside-toplevel
+
+    if context.context_safe() is not None:
+        raise RuntimeError(
+            "fork_servers=True, but TensorFlow's runtime has started in this process (an op "
+            "ran, or a device was listed) and its threads would not exist in a forked "
+            "server; start the cluster before using TensorFlow, or with fork_servers=False.")
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str | None):
+    """Sends file descriptor 2 (C libraries' stderr too) to `path` while the block runs;
+    None: leaves it."""
+    if path is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved, target = os.dup(2), os.open(path, os.O_WRONLY)
+    os.dup2(target, 2)
+    os.close(target)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class _ForkedServer:
+    """A server forked from this process, with the part of subprocess.Popen's interface
+    that LocalCluster uses."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(server_lib.command([]), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _fork_server(argv: list[str], environ: dict[str, str], quiet: bool) -> _ForkedServer:
+    """Runs `python -m hybrid_strategy.server *argv` with `environ` in a fork of this
+    process, set up as LocalCluster sets up the server processes it starts."""
+    die_with_parent = _die_with_parent(signal.SIGKILL)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns of any other thread; the one TensorFlow's import leaves is
+        # OpenBLAS's, whose own fork handler stops its pool around the fork.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid:
+        return _ForkedServer(pid)
+    code = 1
+    try:
+        for signum in _STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        os.setsid()  # as start_new_session: the terminal's Ctrl-C is for the chief
+        if die_with_parent:
+            die_with_parent()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2) if quiet else (0,):
+            os.dup2(null, fd)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as close_fds: no pipe of ours held
+        os.environ.clear()
+        os.environ.update(environ)
+        code = server_lib.main(argv)
+    except BaseException:  # pylint: disable=broad-except
+        traceback.print_exc()
+    finally:
+        # Never back into the caller's code: no atexit handler, no finally of the parent's.
+        server_lib.exit_at_once(code)
 
 
 def _with_package_path(environ: dict[str, str]) -> dict[str, str]:
@@ -438,7 +572,7 @@ def _launch_once(options, command: list[str], restart: int):
                           devices_per_worker=options.devices_per_worker,
                           data_service_workers=options.data_service_workers,
                           startup_timeout=options.startup_timeout,
-                          quiet=not options.verbose) as local:
+                          quiet=not options.verbose, fork_servers=True) as local:
             _report_ready(local, command)
             try:
                 environ = local.chief_environ()

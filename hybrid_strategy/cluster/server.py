@@ -47,8 +47,17 @@ class Stop(BaseException):
     `except Exception` on the way swallows it."""
 
 
+def command(argv: list[str]) -> list[str]:
+    """The command line that runs this server with arguments `argv`."""
+    return [sys.executable, "-m", "hybrid_strategy.server", *argv]
+
+
 def main(argv=None) -> int:
-    """Serves the task TF_CONFIG names until SIGTERM/SIGINT; returns the exit code."""
+    """Serves the task TF_CONFIG names until SIGTERM/SIGINT; returns the exit code.
+
+    `argv` (default: sys.argv[1:]) are the command's arguments; a server given them here
+    starts afresh as `command(argv)`, one run from the command line as it was run.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m hybrid_strategy.server",
         description=__doc__.split("\n", 1)[0] + " The task comes from TF_CONFIG.",
@@ -66,6 +75,7 @@ def main(argv=None) -> int:
         help="whether TensorFlow's idle threads spin waiting for work (default auto: off "
              "when another task of TF_CONFIG's cluster has this task's host)")
     options = parser.parse_args(argv)
+    restart = sys.orig_argv if argv is None else command(argv)
     if options.chief_timeout < 0:
         parser.error(f"--chief-timeout must be 0 or more, got {options.chief_timeout:g}")
     if options.cpu_devices < 1:
@@ -84,7 +94,7 @@ def main(argv=None) -> int:
     try:
         quota = quota_below_cores()
         return _serve(config, stopped, options.chief_timeout, options.cpu_devices,
-                      thread_spinning(options.thread_spinning, config, quota), quota)
+                      thread_spinning(options.thread_spinning, config, quota), quota, restart)
     except Stop:
         return 0
 
@@ -150,7 +160,7 @@ def stop_on_signals() -> int:
 
 
 def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float,
-           cpu_devices: int, spinning: bool, quota: float | None = None) -> int:
+           cpu_devices: int, spinning: bool, quota: float | None, restart: list[str]) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up chatter out
     pools = _pools_for(quota)
     if pools:
@@ -194,7 +204,7 @@ def _serve(config: cluster_lib.ClusterConfig, stopped: int, chief_timeout: float
         # TensorFlow offers no way to drop a client's state; a new process image does, and
         # keeps the pid the launcher or the container runtime watches. gRPC's sockets are
         # close-on-exec, so the port is free again for the new server.
-        os.execv(sys.executable, sys.orig_argv)
+        os.execv(sys.executable, restart)
     del server
     return 0
 
