@@ -539,6 +539,10 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "benchmarks.dynamic_memory`; TensorFlow Recommenders-Addons alone: "
              "[tfra_contender.md](tfra_contender.md), from `python -m "
              "benchmarks.tfra_contender`.",
+             "- **Cluster start** (seconds until every server of a local cluster answers, "
+             "and the CPU it takes, with servers forked from the launcher or each started "
+             "as `python -m hybrid_strategy.server`): [cluster_start.md](cluster_start.md), "
+             "from `python -m benchmarks.cluster_start`.",
              ""]
     lines += machines_section(runs, results_dir)
     rows = targets(runs)

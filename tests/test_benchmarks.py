@@ -316,6 +316,21 @@ def test_step_floor_measures_each_function_and_the_model_beside_it(tmp_path):
     assert "single: one process training recommender" in text and "x |" in text
 
 
+def test_cluster_start_reports_both_ways_of_starting_servers(tmp_path):
+    out = tmp_path / "start.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cluster_start", "--workers", "1", "--rounds", "1",
+         "--out", str(out)],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["1"] and list(results["1"]) == ["exec", "fork"]
+    for (start,) in results["1"].values():
+        assert start["wall_s"] >= start["ready_s"] > 0 and start["cpu_s"] > 0
+    assert "| 1 worker + 1 ps | " in (tmp_path / "start.md").read_text()
+
+
 def test_dynamic_table_cost_times_every_operation_and_checks_its_values(tmp_path):
     from benchmarks import dynamic_table_cost
 
