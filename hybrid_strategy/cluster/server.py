@@ -55,8 +55,9 @@ def command(argv: list[str]) -> list[str]:
 def main(argv=None) -> int:
     """Serves the task TF_CONFIG names until SIGTERM/SIGINT; returns the exit code.
 
-    `argv` (default: sys.argv[1:]) are the command's arguments; a server given them here
-    starts afresh as `command(argv)`, one run from the command line as it was run.
+    `argv` (default: sys.argv[1:]) are the server's arguments. To start afresh, a server
+    run from the command line runs that command line again; one given `argv` here (a
+    fork of the launcher) runs `command(argv)`.
     """
     parser = argparse.ArgumentParser(
         prog="python -m hybrid_strategy.server",
