@@ -212,6 +212,7 @@ class LocalCluster:
                                if job == "worker" and self.devices_per_worker > 1 else [])
                     self._start_server(
                         self.config.device(job, index), address, server_lib.command(devices),
+                        fork_args=devices if self.fork_servers else None,
                         TF_CONFIG=self.config.to_tf_config(job, index))
             self._start_data_service()
             cluster_lib.wait_for_tasks(
@@ -278,12 +279,15 @@ class LocalCluster:
             )
         return self.config
 
-    def _start_server(self, name: str, address: str, argv: list[str], **extra_env) -> None:
-        """Starts one server process; `name` and `address` describe it in messages."""
+    def _start_server(self, name: str, address: str, argv: list[str],
+                      fork_args: list[str] | None = None, **extra_env) -> None:
+        """Starts one server process running `argv`, or, given `fork_args`, a fork of this
+        one running hybrid_strategy.server with them; `name` and `address` describe it in
+        messages."""
         self._servers.append((name, address))
         environ = self._server_environ(extra_env)
-        if self.fork_servers and argv[:3] == server_lib.command([]):
-            self.processes.append(_fork_server(argv[3:], environ, self.quiet))
+        if fork_args is not None:
+            self.processes.append(_fork_server(fork_args, environ, self.quiet))
             return
         output = subprocess.DEVNULL if self.quiet else None
         self.processes.append(subprocess.Popen(
