@@ -100,6 +100,37 @@ def test_several_steps_per_call_end_each_epoch_and_keep_batches_on_their_worker(
     assert not crossing, between_workers
 
 
+def test_steps_reading_ahead_on_endless_data_train_as_one_device(report):
+    # Two epochs of 6 batches of a repeated dataset, 3 steps per call: each step's push
+    # carries the next step's ids, whose rows come back with the dense sum.
+    case = report["reading_ahead"]
+    assert case["calls"] == 4
+    assert case["iterations"] == 12
+    assert case["iteration_copies"] == [12, 12]
+    errors = case["relative_errors"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+
+
+def test_steps_reading_ahead_exchange_once_with_each_ps_task_per_step(report):
+    # A call of 3 steps: the first step's lookup, then each step's push (with the next
+    # step's ids) and what comes back (the next step's rows, and from ps0 the dense sum):
+    # 4 tensors each way where steps standing alone take 6.
+    transfers = report["reading_ahead"]["transfers"]["transfers"]
+    for worker in ("worker0", "worker1"):
+        assert transfers[f"ps0->{worker}"] == 4, transfers
+        assert transfers[f"ps1->{worker}"] == 3, transfers
+        for ps in ("ps0", "ps1"):
+            assert transfers[f"{worker}->{ps}"] == 4, transfers
+
+
+def test_an_id_out_of_range_read_ahead_names_its_table(report):
+    error = report["bad_id_ahead"]["error"]
+    assert error is not None, "training with an id out of range did not fail"
+    assert ("embedding id out of range for table user_embedding/embeddings (300 rows): "
+            "ids must be in [0, 300)") in error, error
+
+
 def test_a_bfloat16_step_is_the_float32_step_within_bfloat16_rounding(report):
     errors = report["bfloat16"]["update_errors"]
     assert len(errors) == 8, errors

@@ -16,6 +16,9 @@ layer used on two inputs, a masked sequence feature, float ids.
   rate and the step count for every table it updates).
 - "multi_step": two epochs of 7 batches with `steps_per_execution=3` (calls of 3, 3
   and 1 steps) against single-device training, and the tensors its calls send.
+- "reading_ahead": the same on the dataset repeated, two epochs of 6 steps, each step's
+  push carrying the next step's lookups (communication/rows_ahead.py); "bad_id_ahead":
+  an id out of range in a batch whose lookup rides with the step before.
 - "examples": two models of keras_examples, small, each trained 20 SGD steps in
   float32 and with bfloat16 rows from the same weights: decoder_lm's decoder, whose
   token table is its output projection (a dense gradient: mirrored after the first
@@ -85,9 +88,10 @@ def dataset(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
-def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1,
+def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1, endless=False,
             **strategy_options):
-    """(model, training losses) after `epochs` on (x, y) under HybridStrategy."""
+    """(model, training losses) after `epochs` on (x, y) under HybridStrategy; `endless`:
+    from the dataset repeated, `steps_per_epoch` long."""
     strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
                                               **strategy_options)
     with strategy.scope():
@@ -96,7 +100,10 @@ def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1,
         model.compile(optimizer=make_optimizer(), loss="mse",
                       steps_per_execution=steps_per_execution)
     losses = []
-    model.fit(dataset(x, y), epochs=epochs, verbose=0, shuffle=False, callbacks=[
+    data, steps = dataset(x, y), None
+    if endless:
+        data, steps = data.repeat(), len(y) // GLOBAL_BATCH
+    model.fit(data, epochs=epochs, steps_per_epoch=steps, verbose=0, shuffle=False, callbacks=[
         keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: losses.append(float(logs["loss"])))])
     return model, losses
@@ -122,13 +129,13 @@ def relative_errors(model, actual, expected):
             for w, a, e in zip(model.weights, actual, expected)}
 
 
-def exact_case(steps=6, epochs=1, steps_per_execution=1):
+def exact_case(steps=6, epochs=1, steps_per_execution=1, endless=False):
     x, y = make_data(steps)
     weights = initial_weights()
     reference = single_device(weights, keras.optimizers.Adagrad(0.1), x, y, epochs)
     with step_transfers.RunMetadata() as metadata:
         model, losses = trained(weights, lambda: keras.optimizers.Adagrad(0.1), x, y,
-                                epochs, steps_per_execution)
+                                epochs, steps_per_execution, endless)
     iterations = model.optimizer.iterations
     return {
         "relative_errors": relative_errors(model, model.get_weights(),
@@ -138,6 +145,19 @@ def exact_case(steps=6, epochs=1, steps_per_execution=1):
         "iteration_copies": [int(v.numpy()) for v in iterations.value.values],
         "calls": len(losses),
     }
+
+
+def bad_id_ahead_case(steps_per_execution=3):
+    """An id out of range in the second batch of a call whose steps read ahead: the
+    error's message."""
+    x, y = make_data(steps_per_execution)
+    x["user"][GLOBAL_BATCH + 3] = USERS + 7
+    try:
+        trained(initial_weights(), lambda: keras.optimizers.SGD(0.1), x, y,
+                steps_per_execution=steps_per_execution, endless=True)
+    except tf.errors.InvalidArgumentError as error:
+        return {"error": error.message}
+    return {"error": None}
 
 
 def bfloat16_case():
@@ -219,6 +239,9 @@ def main():
     report = {"exact": exact_case(), "bfloat16": bfloat16_case(),
               "convergence": convergence_case(), "reads": reads_case(),
               "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3),
+              "reading_ahead": exact_case(steps=6, epochs=2, steps_per_execution=3,
+                                          endless=True),
+              "bad_id_ahead": bad_id_ahead_case(),
               "examples": {name: example_case(*spec) for name, spec in EXAMPLES.items()}}
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")

@@ -137,6 +137,11 @@ class Push:
     def arrived(self, ticket):
         return self._arrived[ticket]
 
+    @property
+    def delivered(self):
+        """{ticket: tensor as it arrived}, once delivered."""
+        return self._arrived
+
     def sparse_sums(self, number):
         """Table `number`'s gradient summed on each shard's PS: one `IndexedSlices` of
         shard-local rows per shard, each row once."""

@@ -16,6 +16,7 @@ from hybrid_strategy.tensorflow_private import values_lib
 from hybrid_strategy.communication import aggregation as communication
 from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.communication import riders
+from hybrid_strategy.communication import rows_ahead
 from hybrid_strategy.sharding import rows as sharding
 from hybrid_strategy.sharding import wire
 from hybrid_strategy.tables import penalties
@@ -89,8 +90,13 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
                     for leader, total in zip(dense_sum.leaders, totals)]
                    for totals in worker_sums.per_dtype]
     carried = _riding(push, topology)
+    ahead = rows_ahead.current() if push.destinations else None
+    if ahead is not None and not ahead.send_ids(push, devices):
+        ahead = None
     push.deliver()
     carried()
+    if ahead is not None:
+        ahead.ids_arrived(push.delivered)
     aggregated = []
     for i, (table, number) in list(sparse.items()) + list(dense.items()):
         sums = push.sparse_sums(number) if i in sparse else push.dense_sums(number)
@@ -106,7 +112,7 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
     if on_ps:
         reduced = dense_sum.to_replicas(reduce_op, worker_sums,
                                         _summed_on(topology.reducer, push, tickets,
-                                                   dense_sum.leaders))
+                                                   dense_sum.leaders, ahead))
         _regrouped(results, summable, reduced)
     elif summable and dense_sum.replaces_collectives:
         _regrouped(results, summable, dense_sum.all_reduce(
@@ -158,18 +164,21 @@ def _summed_on_ps(topology, per_replica_values):
     return hierarchical_allreduce.sum_on_ps_pays(topology.num_workers, dense_bytes)
 
 
-def _summed_on(reducer, push, tickets, leaders):
+def _summed_on(reducer, push, tickets, leaders, ahead=None):
     """The workers' vectors that arrived on `reducer` (tickets per dtype, per worker),
-    summed there and sent back to each worker's first device, in one tensor each."""
+    summed there and sent back to each worker's first device, in one tensor each: with
+    the next step's rows when `ahead` (rows_ahead.py) has them come back later."""
     back = wire.Outbox()
     returned = []
     for group in tickets:
         with tf.device(reducer), tf.name_scope("ps_dense_sum"):
             arrived = [push.arrived(ticket) for ticket in group]
             total = tf.add_n(arrived) if len(arrived) > 1 else arrived[0]
-        returned.append([back.put(reducer, leader, total) for leader in leaders])
+        returned.append([(back.put(reducer, leader, total), total) for leader in leaders])
+    if ahead is not None:
+        return ahead.returned_later(back, returned)
     delivered = back.deliver()
-    return [[delivered[ticket] for ticket in group] for group in returned]
+    return [[delivered[ticket] for ticket, _ in group] for group in returned]
 
 
 def _regrouped(results, positions, reduced):

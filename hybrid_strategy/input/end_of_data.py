@@ -82,6 +82,13 @@ def next_if_any(iterator):
         return any_left, lambda: batch
 
 
+def endless(iterator):
+    """Whether `iterator` is a distributed iterator over an endless dataset (`repeat()`),
+    whose every step has a batch: `iterator.get_next()` then checks for no end."""
+    return (isinstance(iterator, input_lib.DistributedIterator)
+            and iterator._cardinality == cardinality.INFINITE)
+
+
 def _several_workers(iterator):
     return len(iterator._input_workers.worker_devices) > 1 and not tf.executing_eagerly()
 

@@ -12,6 +12,11 @@ same ids checks, rows, masks and gradients (one `IndexedSlices` per table) as th
 layer's own lookup. Only plain `keras.layers.Embedding` layers take part (not
 subclasses, which may look up otherwise, nor quantized or LoRA ones).
 
+In a call of several steps on an endless dataset (keras_integration/multi_step.py), the
+next step's lookups of those layers ride with this step's push instead
+(`next_lookups`, communication/rows_ahead.py), and the next step's calls return the
+rows that came back with this step's dense sum.
+
 In training, the model's `DynamicEmbedding` layers that read its inputs (and are called
 nowhere else: a layer's calls train one after the other) train their tables together
 the same way (`dynamic_embedding.train_together`): their ids cross to each PS task in
@@ -32,8 +37,12 @@ print(model([keras.ops.ones((2,), "int32"), keras.ops.zeros((2,), "int32")]).sha
 
 import functools
 import threading
+import weakref
 
 import tensorflow as tf
+
+# TF-private: one replica's part of a batch, as the strategy hands it to the replica.
+from hybrid_strategy.tensorflow_private import distribute_utils
 
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.tables import table as table_lib
@@ -43,6 +52,9 @@ from hybrid_strategy.tables import table as table_lib
 _LOOKED_UP = threading.local()
 # Table layers that train their tables in their calls -> `train_together` of their kind.
 _TRAINED_TOGETHER = {}
+# graph of an ids tensor -> {(id of an Embedding layer, the ids' ref): (request, rows)}:
+# rows looked up by the step before (`use_rows_ahead`).
+_AHEAD = weakref.WeakKeyDictionary()
 
 
 def install(applies):
@@ -100,20 +112,20 @@ def _look_up(function, inputs):
     values = keras.tree.flatten(inputs)
     if not all(isinstance(value, tf.Tensor) for value in values):
         return {}  # symbolic (KerasTensor) or eager inputs: no step being traced
-    given = {id(x): y for x, y in zip(function.inputs, values)}
     fixed, dynamic = [], []
     training = _training()
-    for nodes in function._nodes_by_depth.values():
-        for node in nodes:
-            layer = node.operation
-            ids = given.get(id(node.input_tensors[0])) if len(node.input_tensors) == 1 else None
-            if ids is None:
-                continue
-            if training and _trains_together(layer, node):
-                dynamic.append((layer, ids))
-            elif _takes_part(layer, keras):
-                fixed.append((layer, ids))
+    for node, position in _fed_by_inputs(function, len(values)):
+        layer, ids = node.operation, values[position]
+        if training and _trains_together(layer, node):
+            dynamic.append((layer, ids))
+        elif _takes_part(layer, keras):
+            fixed.append((layer, ids))
     looked_up = {}
+    for layer, ids in fixed:
+        ahead = _rows_ahead(layer, ids)
+        if ahead is not None:
+            looked_up[(id(layer), id(ids))] = (ids, tf.cast(ahead, layer.compute_dtype))
+    fixed = [(layer, ids) for layer, ids in fixed if (id(layer), id(ids)) not in looked_up]
     if len(fixed) > 1:
         requests = []
         for layer, ids in fixed:
@@ -133,6 +145,67 @@ def _look_up(function, inputs):
             looked_up.update({(id(layer), id(ids)): (ids, output)
                               for (layer, ids), output in zip(calls, outputs)})
     return looked_up
+
+
+def next_lookups(model, batch, devices):
+    """The lookups of `model`'s next step on `batch` that can ride with this step's push
+    (communication/rows_ahead.py `Ahead`): those of its plain Embedding layers that take
+    their ids straight from a model input, as Keras 3's `train_step` hands it the
+    batch, on each replica's device of `devices`."""
+    import keras  # pylint: disable=import-outside-toplevel
+
+    function = model if _runs_graph(model) else getattr(model, "_functional", None)
+    if not _runs_graph(function):
+        return []  # a subclassed model: its layers are known only as it runs
+    fed = [(node.operation, position) for node, position in _fed_by_inputs(function)
+           if _takes_part(node.operation, keras)]
+    lookups = []
+    for replica, device in enumerate(devices) if fed else ():
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(
+            distribute_utils.select_replica(replica, batch))
+        given = keras.tree.flatten(x)
+        with tf.device(device):
+            values = function._standardize_inputs(x)
+        for layer, position in fed:
+            ids = values[position]
+            if not any(ids is value for value in given):
+                continue  # changed on its way in: the step's own ids are not these
+            with tf.device(device):
+                checked = table_lib.checked_layer_ids(layer, ids)
+                if not checked.dtype.is_integer:
+                    checked = tf.cast(checked, tf.int32)  # as Embedding.call does
+            lookups.append(((id(layer), ids.ref()), device,
+                            layer.embeddings._value, checked))
+    return lookups
+
+
+def use_rows_ahead(rows):
+    """Makes the next step's calls of Embedding layers on the ids `rows` (`Ahead.rows`
+    of `next_lookups`) return the rows gathered for them."""
+    for key, (request, value) in rows.items():
+        _AHEAD.setdefault(key[1].deref().graph, {})[key] = (request, value)
+
+
+def _rows_ahead(layer, ids):
+    """The rows of `layer`'s lookup of `ids` gathered by the step before, or None."""
+    if not hasattr(ids, "graph"):
+        return None
+    entry = _AHEAD.get(ids.graph, {}).get((id(layer), ids.ref()))
+    return None if entry is None else table_lib.rows_looked_up_ahead(*entry)
+
+
+def _fed_by_inputs(function, given=None):
+    """(node, position of its input among `function`'s inputs) of every call of a layer
+    in `function` on one of its inputs alone (of the first `given`)."""
+    positions = {id(x): p for p, x in enumerate(function.inputs[:given])}
+    return [(node, positions[id(node.input_tensors[0])])
+            for nodes in function._nodes_by_depth.values() for node in nodes
+            if len(node.input_tensors) == 1 and id(node.input_tensors[0]) in positions]
+
+
+def _runs_graph(function):
+    return function is not None and hasattr(function, "_nodes_by_depth") and hasattr(
+        function, "_standardize_inputs")
 
 
 def _training():

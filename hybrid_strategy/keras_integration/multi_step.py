@@ -20,6 +20,12 @@ exactly as N calls of one step; a final call with fewer batches left (Keras 3: t
 runs out; tf_keras: its data handler lowers the variable) runs only those. The traced
 function holds N copies of the step, so its tracing time and size grow with N.
 
+On an endless dataset (`repeat()`), every step has a batch: Keras 3's N steps then run one
+after the other with no conditional, each reading the next step's batch before it is traced,
+so that its push carries the next step's lookups and their rows come back with its dense
+sum (communication/rows_ahead.py): a worker exchanges one tensor each way per step with
+each PS task, where a step alone takes two.
+
 Keras 3 steps also cost this process less per worker, N = 1 included:
 - the step is traced inline, so no control edge runs from every task to a no-op on this
   process (Keras' nested step function ends in one, placed where the call is);
@@ -40,7 +46,9 @@ import tensorflow as tf
 
 from hybrid_strategy import versions
 from hybrid_strategy.communication import riders
+from hybrid_strategy.communication import rows_ahead
 from hybrid_strategy.input import end_of_data
+from hybrid_strategy.keras_integration import batched_lookups
 from hybrid_strategy.keras_integration import registry
 
 
@@ -260,8 +268,13 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
         return has_value, lambda: one_step_on_data(batch())
 
     # With no batch at all, get_next raises OutOfRange, which ends Keras' epoch.
-    run_steps = unrolled_steps(
+    unrolled = unrolled_steps(
         steps, lambda iterator: one_step_on_data(iterator.get_next()), later_step)
+
+    def run_steps(iterator):
+        if steps > 1 and strategy.extended.pushes and end_of_data.endless(iterator):
+            return _steps_reading_ahead(model, steps, one_step_on_data, iterator)
+        return unrolled(iterator)
 
     def multi_step_on_iterator(iterator):
         # Unplaced ops would land on this process, each step's data passing through it.
@@ -286,6 +299,23 @@ def keras3_function(model, step_function, trainer_lib, counted=False):
         return outputs
 
     return function
+
+
+def _steps_reading_ahead(model, steps, one_step_on_data, iterator):
+    """`unrolled_steps` on an endless dataset, each step's push taking the next step's
+    lookups: step i + 1's batch is read before step i is traced, so that step i's push
+    carries its ids and its rows come back with step i's dense sum
+    (communication/rows_ahead.py). With no end of data to check, the steps run one
+    after the other, each seeing the rows the one before gathered for it."""
+    data = iterator.get_next()
+    for _ in range(steps - 1):
+        following = iterator.get_next()
+        with rows_ahead.reading_ahead(lambda devices, batch=following: (
+                batched_lookups.next_lookups(model, batch, devices))) as ahead:
+            one_step_on_data(data)
+        batched_lookups.use_rows_ahead(ahead.rows)
+        data = following
+    return one_step_on_data(data)
 
 
 class CallsOnIterator:

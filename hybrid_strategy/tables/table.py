@@ -551,35 +551,62 @@ def lookup_many(requests, name=None, checked=False):
     """
     for_export = exporting()
     with tf.name_scope(name or "hybrid_lookup"):
-        distinct = []
-        for table, ids in requests:
-            if not tf.executing_eagerly():
-                _SEEN_BY_ROW.add(table)
-            ids = tf.convert_to_tensor(ids)
-            if not ids.dtype.is_integer:
-                raise TypeError(
-                    f"ids looked up in table {table.path} must be integers (int32 or "
-                    f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
-            if _listed(_DISTINCT_ROWS, table):
-                unique_ids, positions = ids, None
-            else:
-                unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
-            if not (checked or _listed(_LAYER_CHECKED, table)):
-                unique_ids = _checked(unique_ids, table)
-            if not for_export:
-                remember_gradient(unique_ids, table, distinct=True)
-            distinct.append((table, ids, unique_ids, positions))
+        distinct = distinct_requests(requests, checked, for_export)
         with record.stop_recording():
             rows = _gather_rows([(table, unique_ids) for table, _, unique_ids, _ in distinct],
                                 for_export)
-            outputs = [r if positions is None else tf.gather(r, positions)
-                       for r, (_, _, _, positions) in zip(rows, distinct)]
-        results = []
-        for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
-            if not for_export:  # a served function computes no gradient
-                record_gradient(table, out, _row_gradients(table, unique_ids, positions))
-            results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
-        return results
+        return rows_looked_up(distinct, rows, for_export)
+
+
+def distinct_requests(requests, checked=False, for_export=False):
+    """`lookup_many`'s first half: each `(table, ids)` as `(table, ids, unique ids,
+    positions of the ids among them or None)`, the unique ids checked unless `checked`."""
+    distinct = []
+    for table, ids in requests:
+        if not tf.executing_eagerly():
+            _SEEN_BY_ROW.add(table)
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise TypeError(
+                f"ids looked up in table {table.path} must be integers (int32 or "
+                f"int64), got {ids.dtype.name}: cast them with tf.cast(ids, tf.int32).")
+        if _listed(_DISTINCT_ROWS, table):
+            unique_ids, positions = ids, None
+        else:
+            unique_ids, positions = tf.unique(tf.reshape(ids, [-1]))
+        if not (checked or _listed(_LAYER_CHECKED, table)):
+            unique_ids = _checked(unique_ids, table)
+        if not for_export:
+            remember_gradient(unique_ids, table, distinct=True)
+        distinct.append((table, ids, unique_ids, positions))
+    return distinct
+
+
+def rows_looked_up(distinct, rows, for_export=False):
+    """`lookup_many`'s second half: each request of `distinct` (`distinct_requests`)
+    given its unique ids' `rows`, shaped as its ids, with its gradient recorded."""
+    with record.stop_recording():
+        outputs = [r if positions is None else tf.gather(r, positions)
+                   for r, (_, _, _, positions) in zip(rows, distinct)]
+    results = []
+    for out, (table, ids, unique_ids, positions) in zip(outputs, distinct):
+        if not for_export:  # a served function computes no gradient
+            record_gradient(table, out, _row_gradients(table, unique_ids, positions))
+        results.append(tf.reshape(out, tf.concat([tf.shape(ids), table.shape[1:]], 0)))
+    return results
+
+
+def rows_looked_up_ahead(distinct, rows):
+    """`rows_looked_up` of one request of `distinct_requests` made in an enclosing graph
+    (an earlier step's, whose exchange gathered its `rows`): its unique ids are named
+    again in this graph, so that this step's gradient of them is known as a lookup's
+    and crosses without its ids, as `ids_on_ps` says."""
+    table, ids, unique_ids, positions = distinct
+    here = remember_gradient(tf.identity(unique_ids), table, distinct=True)
+    held = ids_on_ps(unique_ids)
+    if held is not None:
+        _note_ids_on_ps(here, *held)
+    return rows_looked_up([(table, ids, here, positions)], [rows])[0]
 
 
 def _row_gradients(table, unique_ids, positions):
@@ -697,20 +724,38 @@ def _gather_rows(requests, for_export=False):
                     table.saving_variable.handle, unique_ids, dtype=table.dtype)
                 for table, unique_ids in requests]
     outbox = wire.Outbox()
-    sent = []  # per request: (shard of each id or None, [ticket of each shard's ids])
-    for table, unique_ids in requests:
-        source = unique_ids.device
-        if table.num_shards == 1:
-            shard, local_ids = None, [unique_ids]
-        else:
-            shard, local = sharding.shard_of(unique_ids, table.num_shards)
-            local_ids = tf.dynamic_partition(local, shard, table.num_shards)
+    sent = send_ids(outbox, requests)
+    rows_outbox = wire.Outbox()
+    tickets = send_rows(outbox.deliver(), requests, sent, rows_outbox)
+    return rows_arrived(rows_outbox.deliver(), requests, sent, tickets)
+
+
+def send_ids(outbox, requests, sources=None):
+    """Puts the unique ids of each `(table, unique ids)` in `outbox`, split by shard, to
+    each shard's PS from the request's device in `sources` (by default its ids' device).
+    Returns what `send_rows` takes: per request, (shard of each id or None, [ticket of
+    each shard's ids])."""
+    sent = []
+    for (table, unique_ids), source in zip(requests, sources or [None] * len(requests)):
+        source = source or unique_ids.device
+        with tf.device(source):
+            if table.num_shards == 1:
+                shard, local_ids = None, [unique_ids]
+            else:
+                shard, local = sharding.shard_of(unique_ids, table.num_shards)
+                local_ids = tf.dynamic_partition(local, shard, table.num_shards)
         sent.append((shard, [outbox.put(source, part.device, ids)
                              for part, ids in zip(table.shards, local_ids)]))
-    arrived = outbox.deliver()
-    rows_outbox = wire.Outbox()
+    return sent
+
+
+def send_rows(arrived, requests, sent, outbox, destinations=None):
+    """Gathers on each shard's PS the rows of the ids that `arrived` there (`send_ids`),
+    and puts them in `outbox`, to the request's device in `destinations` (by default
+    its ids' device). Returns the tickets, for `rows_arrived`."""
     tickets = []
-    for (table, unique_ids), (shard, id_tickets) in zip(requests, sent):
+    for (table, unique_ids), (shard, id_tickets), destination in zip(
+            requests, sent, destinations or [None] * len(requests)):
         held = []
         for part, ticket in zip(table.shards, id_tickets):
             ids = arrived[ticket]
@@ -719,20 +764,28 @@ def _gather_rows(requests, for_export=False):
                 rows = gen_resource_variable_ops.resource_gather(part.handle, ids,
                                                                  dtype=table.dtype)
                 rows = wire.to_wire(rows, table.wire_dtype)
-            tickets.append(rows_outbox.put(part.device, unique_ids.device, rows))
+            tickets.append(outbox.put(part.device, destination or unique_ids.device, rows))
         _note_ids_on_ps(unique_ids, shard, held)
-    returned = rows_outbox.deliver()
+    return tickets
+
+
+def rows_arrived(returned, requests, sent, tickets, devices=None):
+    """The rows of each request, in the order of its unique ids, made on its device in
+    `devices` (by default the current one) from what `send_rows` put in its outbox, as
+    `returned` by its delivery."""
     tickets = iter(tickets)
     rows = []
-    for (table, unique_ids), (shard, _) in zip(requests, sent):
-        parts = [wire.from_wire(returned[next(tickets)], table.dtype)
-                 for _ in range(table.num_shards)]
-        if shard is None:
-            rows.append(parts[0])
-        else:
-            positions = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard,
-                                             table.num_shards)
-            rows.append(tf.dynamic_stitch(positions, parts))
+    for (table, unique_ids), (shard, _), device in zip(requests, sent,
+                                                       devices or [None] * len(requests)):
+        with tf.device(device) if device else contextlib.nullcontext():
+            parts = [wire.from_wire(returned[next(tickets)], table.dtype)
+                     for _ in range(table.num_shards)]
+            if shard is None:
+                rows.append(parts[0])
+            else:
+                positions = tf.dynamic_partition(tf.range(tf.shape(unique_ids)[0]), shard,
+                                                 table.num_shards)
+                rows.append(tf.dynamic_stitch(positions, parts))
     return rows
 
 
