@@ -1,11 +1,13 @@
 """A synchronous step with no model: the CPU its transfers alone cost on W workers.
 
     python -m benchmarks.step_floor [--model recommender] [--workers 1 2 4] [--steps 500]
+        [--steps-per-call 8]
 
 For every W, a cluster of W workers + 1 ps (`python -m hybrid_strategy.launch`) runs this
-file as its chief (`--chief`), which traces three functions, each doing what the one
-before it does and more, sized after the model (benchmarks.lower_bound: its dense
-gradients' bytes, and the unique rows one worker's share of the global batch touches):
+file as its chief (`--chief`), which traces five functions, each of the first three doing
+what the one before it does and more, sized after the model (benchmarks.lower_bound: its
+dense gradients' bytes, and the unique rows one worker's share of the global batch
+touches):
 
   call   the chief calls one function that updates a variable on every worker and on
          the ps and returns one scalar: what every step pays, whatever it computes;
@@ -15,7 +17,16 @@ gradients' bytes, and the unique rows one worker's share of the global batch tou
   sum    + the workers' dense gradients ride with their push to the ps, which sums
          them and sends each worker the sum, as the hybrid sums a small dense part
          (communication/hierarchical_allreduce.py `sum_on_ps_pays`; none with one
-         worker): 4 tensors per worker per step.
+         worker): 4 tensors per worker per step;
+
+and two that run N steps per call (`--steps-per-call N`), as `compile(steps_per_execution=N)`
+does:
+
+  sum xN    `sum`, N times per call: the call's cost spread over N steps;
+  ahead xN  + the steps read ahead, as a call's steps do on an endless dataset
+            (communication/rows_ahead.py): each push carries the next step's row ids,
+            whose rows come back with the dense sum: 2 tensors per worker per step, the
+            call's first lookup aside.
 
 No layer, loss, optimizer or metric runs: a hybrid training step does all of this and
 the model's arithmetic besides, so `sum` is a floor under its CPU per step. The
@@ -24,10 +35,11 @@ every task's CPU time is read from /proc. Each function's results are checked (t
 summed vector, the rows pushed), so none of the transfers can be pruned away unseen.
 
 Then, unless --model-steps 0, `python -m benchmarks.run --contenders hybrid,single
---loopback` trains the model at the same W, and the report sets the floor and the
-hybrid's CPU per step against one process's (`single`): with the cores shared, a
-target of k x one process's CPU per example cannot be met where the floor alone
-exceeds k x `single`. Results: benchmarks/results/step_floor.json and .md.
+--loopback` trains the model at the same W, and with `--steps-per-execution N` as well,
+and the report sets the floor and the hybrid's CPU per step against one process's
+(`single`): with the cores shared, a target of k x one process's CPU per example cannot
+be met where the floor alone exceeds k x `single`. Results:
+benchmarks/results/step_floor.json and .md.
 """
 
 import argparse
@@ -52,6 +64,9 @@ FUNCTIONS = {
             "to the ps's table (the hybrid's lookup and push)",
     "sum": "+ the workers' dense gradients summed on the ps as the hybrid sums them, "
            "riding with the push, the sum back (none with one worker)",
+    "sum xN": "`sum`, N steps per call (`--steps-per-call N`)",
+    "ahead xN": "+ the steps of the call read ahead: each push carries the next step's "
+                "row ids, whose rows come back with the dense sum",
 }
 _RESULT_PREFIX = "step_floor result: "
 
@@ -59,10 +74,10 @@ _RESULT_PREFIX = "step_floor result: "
 # Chief ------------------------------------------------------------------------------
 
 
-def _floor_functions(tf, extended, dense_floats, rows, width):
-    """{name: traced function} of FUNCTIONS over the strategy's workers and first ps,
-    and check(calls), which raises unless the variables hold what `calls` ({name: count})
-    calls of each function made."""
+def _floor_functions(tf, extended, dense_floats, rows, width, steps_per_call):
+    """{name: (traced function, steps per call)} of FUNCTIONS over the strategy's workers
+    and first ps, and check(calls), which raises unless the variables hold what `calls`
+    ({name: count}) calls of each function made."""
     # pylint: disable=import-outside-toplevel
     from hybrid_strategy.sharding import wire
 
@@ -89,9 +104,21 @@ def _floor_functions(tf, extended, dense_floats, rows, width):
         arrived = outbox.deliver()
         return {i: [arrived[t] for t in ts] for i, ts in tickets.items()}
 
-    def function(rows_too, sum_too):
+    def function(rows_too, sum_too, steps=1, ahead=False):
+        summing = sum_too and count > 1
+
+        def look_up(worker_ids):
+            """Each worker's ids sent to the ps, their rows back: (ids held, rows)."""
+            held = exchange({i: (d, ps, [worker_ids[i]]) for i, d in enumerate(workers)})
+            return held, exchange({i: (ps, d, [r]) for (i, r), d in
+                                   zip(gathered(held).items(), workers)})
+
+        def gathered(held):
+            with tf.device(ps):
+                return {i: tf.gather(table, held[i][0]) for i in held}
+
         @tf.function
-        def step():
+        def call():
             with tf.device(ps):
                 ps_calls.assign_add(1.0, read_value=False)
             worker_ids = {}
@@ -100,41 +127,57 @@ def _floor_functions(tf, extended, dense_floats, rows, width):
                     worker_calls[i].assign_add(1.0, read_value=False)
                     worker_ids[i] = ids[i].read_value()
             if rows_too:
-                held = exchange({i: (d, ps, [worker_ids[i]]) for i, d in enumerate(workers)})
-                with tf.device(ps):
-                    looked_up = {i: tf.gather(table, held[i][0]) for i in held}
-                rows_back = exchange({i: (ps, d, [looked_up[i]]) for i, d in enumerate(workers)})
+                held, rows_back = look_up(worker_ids)
+            for step in range(steps if rows_too else 0):
+                reads_ahead = ahead and step < steps - 1
                 pushes = {}
                 for i, device in enumerate(workers):
                     with tf.device(device):
                         pushes[i] = [rows_back[i][0] * 0.5]
-                        if sum_too and count > 1:
+                        if summing:
                             pushes[i].append(gradients[i].read_value())
+                        if reads_ahead:
+                            pushes[i].append(worker_ids[i])
                 arrived = exchange({i: (d, ps, pushes[i]) for i, d in enumerate(workers)})
+                back = {i: [] for i in arrived}
                 with tf.device(ps):
                     pushed.scatter_add(tf.IndexedSlices(
                         tf.concat([arrived[i][0] for i in arrived], 0),
                         tf.concat([held[i][0] for i in arrived], 0)))
-                    if sum_too and count > 1:
+                    if summing:
                         total = tf.add_n([arrived[i][1] for i in arrived])
-                if sum_too and count > 1:
-                    summed = exchange({i: (ps, d, [total]) for i, d in enumerate(workers)})
+                        back = {i: [total] for i in arrived}
+                if reads_ahead:
+                    held = {i: [arrived[i][-1]] for i in arrived}
+                    for i, r in gathered(held).items():
+                        back[i].append(r)
+                if any(back.values()):
+                    came = exchange({i: (ps, d, back[i]) for i, d in enumerate(workers)})
                     for i, device in enumerate(workers):
-                        with tf.device(device):
-                            sums[i].assign(summed[i][0], read_value=False)
+                        if summing:
+                            with tf.device(device):
+                                sums[i].assign(came[i][0], read_value=False)
+                    if reads_ahead:
+                        rows_back = {i: [came[i][-1]] for i in came}
+                if step < steps - 1 and not reads_ahead:  # the next step's own lookup
+                    held, rows_back = look_up(worker_ids)
             with tf.device(workers[0]):
                 return worker_calls[0].read_value()
-        return step
+        return call, steps
 
-    functions = {name: function(name != "call", name == "sum") for name in FUNCTIONS}
+    functions = {"call": function(False, False), "rows": function(True, False),
+                 "sum": function(True, True),
+                 "sum xN": function(True, True, steps_per_call),
+                 "ahead xN": function(True, True, steps_per_call, ahead=True)}
 
     def check(calls):
         total = sum(calls.values())
+        pushes = sum(number * functions[name][1] for name, number in calls.items()
+                     if name != "call")
         expected = {"ps calls": (float(ps_calls.numpy()), float(total)),
                     "last worker's calls": (float(worker_calls[-1].numpy()), float(total)),
                     "rows pushed": (float(pushed.numpy().sum(dtype="float64")),
-                                    0.5 * (calls["rows"] + calls["sum"]) * rows * count
-                                    * width)}
+                                    0.5 * pushes * rows * count * width)}
         if count > 1 and calls["sum"]:
             expected["sum"] = (float(sums[-1].numpy().sum(dtype="float64")),
                                count * (count + 1) / 2 * dense_floats)
@@ -153,21 +196,25 @@ def run_chief(options):
 
     extended = hybrid_strategy.HybridStrategy().extended
     functions, check = _floor_functions(tf, extended, options.dense_floats,
-                                        options.rows, options.width)
-    for step in functions.values():  # traces, and runs past the first calls' costs
+                                        options.rows, options.width, options.steps_per_call)
+    for call, _ in functions.values():  # traces, and runs past the first calls' costs
         for _ in range(options.warmup):
-            step()
-        float(step())
-    timed = machine.alternate(functions, dict(machine.server_pids(), chief=os.getpid()),
+            call()
+        float(call())
+    timed = machine.alternate({name: call for name, (call, _) in functions.items()},
+                              dict(machine.server_pids(), chief=os.getpid()),
                               options.steps, options.rounds, wait=float)
     measured = options.steps * options.rounds
     check({name: options.warmup + 1 + measured for name in functions})
     print(_RESULT_PREFIX + json.dumps({
         "functions": {name: {
-            "wall_ms_per_step": statistics.mean(f["wall_s_per_call"]) * 1000,
-            "cpu_ms_per_step": {task: s * 1000 for task, s in f["cpu_s_per_call"].items()},
+            "steps_per_call": functions[name][1],
+            "wall_ms_per_step": (statistics.mean(f["wall_s_per_call"]) * 1000
+                                 / functions[name][1]),
+            "cpu_ms_per_step": {task: s * 1000 / functions[name][1]
+                                for task, s in f["cpu_s_per_call"].items()},
         } for name, f in timed.items()},
-        "steps_per_function": measured}), flush=True)
+        "calls_per_function": measured}), flush=True)
 
 
 # Runs --------------------------------------------------------------------------------
@@ -179,7 +226,8 @@ def _floor_command(options, workers, sizes):
             sys.executable, "-m", "benchmarks.step_floor", "--chief",
             "--steps", str(options.steps), "--rounds", str(options.rounds),
             "--warmup", str(options.warmup), "--dense-floats", str(sizes["dense_floats"]),
-            "--rows", str(sizes["rows"]), "--width", str(sizes["width"])]
+            "--rows", str(sizes["rows"]), "--width", str(sizes["width"]),
+            "--steps-per-call", str(options.steps_per_call)]
 
 
 def _sizes(model, workers):
@@ -196,13 +244,15 @@ def _sizes(model, workers):
             "rows": max(1, round(row_bytes / (4 * width)))}
 
 
-def _model_cpu(options, workers, scratch):
-    """CPU ms per step of every task of the hybrid and of `single`, from benchmarks.run."""
-    path = os.path.join(scratch, f"run-w{workers}.json")
+def _model_cpu(options, workers, scratch, steps_per_call=1):
+    """CPU ms per step of every task of the hybrid and of `single`, from benchmarks.run,
+    `steps_per_call` steps per call."""
+    path = os.path.join(scratch, f"run-w{workers}-x{steps_per_call}.json")
+    warmup = -(-max(1, options.model_steps // 10) // steps_per_call) * steps_per_call
     command = [sys.executable, "-m", "benchmarks.run", "--model", options.model,
                "--contenders", "hybrid,single", "--workers", str(workers), "--ps", "1",
-               "--loopback", "--warmup", str(max(1, options.model_steps // 10)),
-               "--steps", str(options.model_steps)]
+               "--loopback", "--warmup", str(warmup), "--steps", str(options.model_steps),
+               "--steps-per-execution", str(steps_per_call)]
     done = subprocess.run(command + ["--json", path], env=machine.environment(),
                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=options.timeout)
@@ -241,23 +291,27 @@ def measure(options, workers, scratch):
         print(f"[step_floor W={workers}] training {options.model} (hybrid, single)",
               file=sys.stderr, flush=True)
         run["model"] = _model_cpu(options, workers, scratch)
+        run["model_per_call"] = _model_cpu(options, workers, scratch, options.steps_per_call)
     run["loadavg_after"] = list(os.getloadavg())
     return run
 
 
 def markdown(report):
+    per_call = report.get("steps_per_call", 1)
     lines = [f"# A synchronous step with no model: the CPU its transfers cost ({report['model']})",
              "", f"Generated by `{report['invocation']}` on {machine.summary(report['machine'])}.",
-             "", "Three functions, no layer, loss, optimizer or metric: a hybrid "
+             "", "Functions with no layer, loss, optimizer or metric: a hybrid "
              "training step does what `sum` does and the model's arithmetic besides, so "
-             "`sum` is a floor under its CPU per step.", ""]
+             "`sum` is a floor under its CPU per step; with N steps per call, `sum xN`, and "
+             f"`ahead xN` where the steps read ahead (N = {per_call}).", ""]
     lines += [f"- `{name}`: {text}." for name, text in FUNCTIONS.items()]
     lines += ["",
              "CPU ms per step: user + system time of each task over the measured calls "
-             "(loopback, in the launcher's network namespace), divided by the calls. "
+             "(loopback, in the launcher's network namespace), divided by the steps they ran. "
              "*vs single*: the task total against one process training the model "
-             "(`single`, whose step does the whole global batch). Sizes per worker: the "
-             "dense gradient summed, and the unique rows pulled and pushed.", "",
+             "(`single`, whose step does the whole global batch), with as many steps per "
+             "call. Sizes per worker: the dense gradient summed, and the unique rows "
+             "pulled and pushed.", "",
              "| W | function | dense floats | rows x width | wall ms/step | chief | "
              "each worker (mean) | ps | all tasks | vs single |",
              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -265,17 +319,22 @@ def markdown(report):
         if "error" in run:
             lines.append(f"| {run['workers']} | FAILED: {run['error']} | | | | | | | | |")
             continue
-        model = run.get("model", {}).get("cpu_ms_per_step", {})
-        single = sum(model["single"].values()) if "single" in model else None
         sizes = run["sizes"]
-        rows = [(name, f["wall_ms_per_step"], f["cpu_ms_per_step"])
-                for name, f in run["functions"].items()]
-        if "hybrid" in model:
-            rows.append((f"the hybrid training {report['model']}", None, model["hybrid"]))
-        if single is not None:
-            rows.append((f"single: one process training {report['model']}", None,
-                         model["single"]))
-        for name, wall, cpu in rows:
+        rows, singles = [], {}
+        for key, suffix in (("model", ""), ("model_per_call", f", {per_call} steps per call")):
+            model = run.get(key, {}).get("cpu_ms_per_step", {})
+            if "single" in model:
+                singles[key] = sum(model["single"].values())
+            if "hybrid" in model:
+                rows.append((f"the hybrid training {report['model']}{suffix}", None,
+                             model["hybrid"], singles.get(key)))
+            if "single" in model:
+                rows.append((f"single: one process training {report['model']}{suffix}",
+                             None, model["single"], singles.get(key)))
+        rows = [(name, f["wall_ms_per_step"], f["cpu_ms_per_step"],
+                 singles.get("model" if f.get("steps_per_call", 1) == 1 else "model_per_call"))
+                for name, f in run["functions"].items()] + rows
+        for name, wall, cpu, single in rows:
             workers = [ms for task, ms in cpu.items() if task.startswith("worker")]
             ps = [ms for task, ms in cpu.items() if task.startswith("ps")]
             lines.append(
@@ -286,11 +345,12 @@ def markdown(report):
                 + (f"{sum(workers) / len(workers):.2f}" if workers else "") + " | "
                 + (f"{sum(ps):.2f}" if ps else "") + f" | {sum(cpu.values()):.2f} | "
                 + (f"{sum(cpu.values()) / single:.2f}x" if single else "") + " |")
-        if "error" in run.get("model", {}):
-            lines.append(f"| {run['workers']} | training FAILED: {run['model']['error']} "
-                         "| | | | | | | | |")
-    commands = [run["model"]["command"] for run in report["runs"]
-                if "command" in run.get("model", {})]
+        for key in ("model", "model_per_call"):
+            if "error" in run.get(key, {}):
+                lines.append(f"| {run['workers']} | training FAILED: {run[key]['error']} "
+                             "| | | | | | | | |")
+    commands = [run[key]["command"] for run in report["runs"]
+                for key in ("model", "model_per_call") if "command" in run.get(key, {})]
     lines += ["", "Clusters: " + "; ".join(f"`{run['command']}`" for run in report["runs"])]
     if commands:
         lines.append("Training: " + "; ".join(f"`{c}`" for c in commands))
@@ -307,7 +367,9 @@ def parse(argv):
     parser.add_argument("--rounds", type=int, default=4, help="blocks of each function")
     parser.add_argument("--warmup", type=int, default=50, help="calls before measuring")
     parser.add_argument("--model-steps", type=int, default=1000,
-                        help="measured steps of the model's training run (0: none)")
+                        help="measured steps of the model's training runs (0: none)")
+    parser.add_argument("--steps-per-call", type=int, default=8,
+                        help="steps per call of `sum xN`, `ahead xN` and the second training run")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", default=os.path.join(RESULTS, "step_floor.json"),
                         help="results; the markdown beside it")
@@ -319,6 +381,9 @@ def parse(argv):
         parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     if options.model_steps < 0:
         parser.error("--model-steps must be at least 0")
+    if options.steps_per_call < 2 or options.model_steps % options.steps_per_call:
+        parser.error(f"--steps-per-call {options.steps_per_call}: take at least 2, dividing "
+                     f"--model-steps ({options.model_steps})")
     bad = [w for w in options.workers if w < 1 or w & (w - 1)]
     if bad:
         parser.error(f"--workers {bad}: the hybrid's dense sum takes a power-of-two "
@@ -332,7 +397,8 @@ def run_all(options, argv):
     if options.model not in contenders.MODELS:
         raise SystemExit(f"--model {options.model!r}: choose one of "
                          f"{', '.join(contenders.MODELS)}")
-    report = {"model": options.model, "machine": machine.describe(),
+    report = {"model": options.model, "steps_per_call": options.steps_per_call,
+              "machine": machine.describe(),
               "code": machine.code_version(),
               "invocation": shlex.join(["python", "-m", "benchmarks.step_floor"]
                                        + list(argv if argv is not None else sys.argv[1:]))}
@@ -341,8 +407,8 @@ def run_all(options, argv):
     text = markdown(report)
     chief_runs.save(options.json, report, text)
     print(text)
-    failed = [run["workers"] for run in report["runs"]
-              if "error" in run or "error" in run.get("model", {})]
+    failed = [run["workers"] for run in report["runs"] if "error" in run
+              or "error" in run.get("model", {}) or "error" in run.get("model_per_call", {})]
     if failed:
         raise SystemExit(f"step_floor: the runs with W = {failed} failed (see above)")
 

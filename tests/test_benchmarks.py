@@ -292,7 +292,8 @@ def test_step_floor_measures_each_function_and_the_model_beside_it(tmp_path):
     out = tmp_path / "floor.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.step_floor", "--workers", "2", "--steps", "20",
-         "--rounds", "2", "--warmup", "2", "--model-steps", "10", "--json", str(out)],
+         "--rounds", "2", "--warmup", "2", "--model-steps", "10", "--steps-per-call", "2",
+         "--json", str(out)],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:]
@@ -302,18 +303,23 @@ def test_step_floor_measures_each_function_and_the_model_beside_it(tmp_path):
     assert run["sizes"]["dense_floats"] * 4 == bound["dense_bytes"]
     assert run["sizes"]["rows"] * run["sizes"]["width"] * 4 == pytest.approx(
         bound["sparse_per_direction"], rel=0.01)
-    assert run["steps_per_function"] == 40
-    assert list(run["functions"]) == ["call", "rows", "sum"]
-    for function in run["functions"].values():
+    assert run["calls_per_function"] == 40
+    assert list(run["functions"]) == ["call", "rows", "sum", "sum xN", "ahead xN"]
+    for name, function in run["functions"].items():
+        assert function["steps_per_call"] == (2 if name.endswith("xN") else 1)
         assert set(function["cpu_ms_per_step"]) == {"chief", "worker0", "worker1", "ps0"}
         assert function["wall_ms_per_step"] > 0
         assert sum(function["cpu_ms_per_step"].values()) > 0
-    model = run["model"]["cpu_ms_per_step"]
-    assert set(model) == {"hybrid", "single"}
-    assert set(model["hybrid"]) == {"chief", "worker0", "worker1", "ps0"}
+    for key in ("model", "model_per_call"):
+        model = run[key]["cpu_ms_per_step"]
+        assert set(model) == {"hybrid", "single"}
+        assert set(model["hybrid"]) == {"chief", "worker0", "worker1", "ps0"}
+    assert "--steps-per-execution 2" in run["model_per_call"]["command"]
     text = (tmp_path / "floor.md").read_text()
     assert f"| 2 | sum | {run['sizes']['dense_floats']:,} |" in text
-    assert "single: one process training recommender" in text and "x |" in text
+    assert f"| 2 | ahead xN | {run['sizes']['dense_floats']:,} |" in text
+    assert "single: one process training recommender, 2 steps per call" in text
+    assert "x |" in text
 
 
 def test_cluster_start_reports_both_ways_of_starting_servers(tmp_path):
