@@ -90,8 +90,10 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
                     for leader, total in zip(dense_sum.leaders, totals)]
                    for totals in worker_sums.per_dtype]
     carried = _riding(push, topology)
+    # Where the dense sum is all-reduced the next step's rows would come back alone: the
+    # language model measured no gain from that (benchmarks/results/steps-reading-ahead).
     ahead = rows_ahead.current() if push.destinations else None
-    if ahead is not None and not ahead.send_ids(push, devices):
+    if ahead is not None and (summable and not on_ps or not ahead.send_ids(push, devices)):
         ahead = None
     push.deliver()
     carried()
