@@ -32,11 +32,23 @@ def report():
     return json_report(on_cluster(SCENARIO, workers=2, ps=2), "the wire scenario")
 
 
+def assert_within_tolerance(errors, tolerance=TOLERANCE):
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= tolerance, f"{worst} differs by {errors[worst]:.2e}"
+
+
+def assert_exchanges(transfers, sent, from_ps):
+    """Each worker sent each ps task `sent` tensors and got `from_ps` from ps0 and ps1."""
+    for worker in ("worker0", "worker1"):
+        for ps, got in zip(("ps0", "ps1"), from_ps):
+            assert transfers[f"{ps}->{worker}"] == got, transfers
+            assert transfers[f"{worker}->{ps}"] == sent, transfers
+
+
 def test_training_with_tables_looked_up_at_once_equals_single_device(report):
     errors = report["exact"]["relative_errors"]
     assert len(errors) == 8, errors
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+    assert_within_tolerance(errors)
 
 
 def test_a_worker_exchanges_two_tensors_with_each_ps_task_per_step(report):
@@ -44,12 +56,7 @@ def test_a_worker_exchanges_two_tensors_with_each_ps_task_per_step(report):
     # sends each ps task its ids of every table, then its gradients of every table (ps0,
     # which sums the dense gradients, gets those too, and from worker 0 the optimizer's
     # learning rate and step count); each ps task sends back the rows, ps0 the dense sum.
-    transfers = report["exact"]["transfers"]["transfers"]
-    for worker in ("worker0", "worker1"):
-        assert transfers[f"ps0->{worker}"] == 2, transfers
-        assert transfers[f"ps1->{worker}"] == 1, transfers
-        for ps in ("ps0", "ps1"):
-            assert transfers[f"{worker}->{ps}"] == 2, transfers
+    assert_exchanges(report["exact"]["transfers"]["transfers"], sent=2, from_ps=(2, 1))
 
 
 def test_no_batch_step_counter_or_id_check_crosses_between_workers(report):
@@ -90,9 +97,7 @@ def test_several_steps_per_call_end_each_epoch_and_keep_batches_on_their_worker(
     assert case["calls"] == 6
     assert case["iterations"] == 14
     assert case["iteration_copies"] == [14, 14]
-    errors = case["relative_errors"]
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+    assert_within_tolerance(case["relative_errors"])
     names = case["transfers"]["names"]
     between_workers = names.get("worker0->worker1", []) + names.get("worker1->worker0", [])
     crossing = [name for name in between_workers
@@ -107,21 +112,15 @@ def test_steps_reading_ahead_on_endless_data_train_as_one_device(report):
     assert case["calls"] == 4
     assert case["iterations"] == 12
     assert case["iteration_copies"] == [12, 12]
-    errors = case["relative_errors"]
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOLERANCE, f"{worst} differs by {errors[worst]:.2e}"
+    assert_within_tolerance(case["relative_errors"])
 
 
 def test_steps_reading_ahead_exchange_once_with_each_ps_task_per_step(report):
     # A call of 3 steps: the first step's lookup, then each step's push (with the next
     # step's ids) and what comes back (the next step's rows, and from ps0 the dense sum):
     # 4 tensors each way where steps standing alone take 6.
-    transfers = report["reading_ahead"]["transfers"]["transfers"]
-    for worker in ("worker0", "worker1"):
-        assert transfers[f"ps0->{worker}"] == 4, transfers
-        assert transfers[f"ps1->{worker}"] == 3, transfers
-        for ps in ("ps0", "ps1"):
-            assert transfers[f"{worker}->{ps}"] == 4, transfers
+    assert_exchanges(report["reading_ahead"]["transfers"]["transfers"], sent=4,
+                     from_ps=(4, 3))
 
 
 def test_an_id_out_of_range_read_ahead_names_its_table(report):
@@ -134,8 +133,7 @@ def test_an_id_out_of_range_read_ahead_names_its_table(report):
 def test_a_bfloat16_step_is_the_float32_step_within_bfloat16_rounding(report):
     errors = report["bfloat16"]["update_errors"]
     assert len(errors) == 8, errors
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= BFLOAT16_STEP_TOLERANCE, f"{worst}: {errors[worst]:.2e}"
+    assert_within_tolerance(errors, BFLOAT16_STEP_TOLERANCE)
     # The rows did cross in bfloat16: the tables' updates are not float32's.
     assert max(v for k, v in errors.items() if k.endswith("/embeddings")) > 1e-5
 
@@ -200,8 +198,7 @@ def test_a_wire_dtype_other_than_bfloat16_is_refused_with_what_to_use():
 def test_bfloat16_rows_train_example_models_as_float32_within_rounding(report, example):
     case = report["examples"][example]
     errors = case["update_errors"]
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= BFLOAT16_STEP_TOLERANCE, f"{worst}: {errors[worst]:.2e}"
+    assert_within_tolerance(errors, BFLOAT16_STEP_TOLERANCE)
     # The rows did cross in bfloat16: some table's first update is not float32's.
     assert max(v for k, v in errors.items() if k.endswith("/embeddings")) > 1e-5
     float32, bfloat16 = case["losses"]["None"], case["losses"]["bfloat16"]
