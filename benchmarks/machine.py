@@ -148,10 +148,15 @@ def code_version():
             return None
         return done.stdout.rstrip() if done.returncode == 0 else None
 
+    commit = git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("HSB_CODE_COMMIT"):
+        # A tree unpacked from `git archive` on a host with no checkout: the caller names it.
+        return {"commit": os.environ["HSB_CODE_COMMIT"], "modified_files": [],
+                "commit_from": "HSB_CODE_COMMIT"}
     changed = git("status", "--porcelain", "--untracked-files=no")
     # Result files (runs write some) say nothing about the code measured.
     paths = [line[3:] for line in (changed or "").splitlines()]
-    return {"commit": git("rev-parse", "HEAD"),
+    return {"commit": commit,
             "modified_files": [p for p in paths if not p.startswith("benchmarks/results/")]}
 
 

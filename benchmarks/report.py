@@ -366,6 +366,54 @@ def plot(runs, results_dir):
 MACHINE_CONTENDERS = ("hybrid", "pss", "mwms", "ps", "horovod")
 
 
+def _machine_rows(runs, host=False):
+    """One table row per run on machines of their own (with `host`, the host's cores and
+    CPU model beside each share)."""
+    lines = ["| model | cluster | machines | " + " | ".join(MACHINE_CONTENDERS)
+             + " | hybrid / pss | hybrid / mwms | repeats |",
+             "|---|---|---|" + "---:|" * (len(MACHINE_CONTENDERS) + 3)]
+    for run in sorted(runs, key=lambda r: (r["model"], r["machines"]["colocate"],
+                                           r["config"]["workers"], r["_file"])):
+        cfg, m = run["config"], run["machines"]
+        cells = []
+        for name in MACHINE_CONTENDERS:
+            c = ok_result(run, name)
+            cells.append(f"{c['units_per_s']:,.0f}" if c else "-")
+        ratios = [_ratio(run, "hybrid", other) for other in ("pss", "mwms")]
+        where = (f" on a host of {run['machine']['nproc']} cores ({run['machine']['cpu']})"
+                 if host else "")
+        lines.append(
+            f"| {run['model']} ({cfg.get('unit', 'examples')}/s) | {cfg['workers']} workers "
+            f"+ {cfg['ps']} ps, {_network_phrase(run)}, batch: {batches.label(cfg)}"
+            + (f", {cfg['steps_per_execution']} steps per call"
+               if cfg.get("steps_per_execution", 1) > 1 else "")
+            + f" | {machines_phrase(m)}{where} | "
+            + " | ".join(cells) + " | "
+            + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratios)
+            + f" | {cfg.get('repeats', 1)} |")
+    return lines
+
+
+REAL_CORES = "real-cores"
+
+
+def real_cores_section(results_dir):
+    """The runs kept in real-cores/, made on a host with a real core behind every share:
+    what the performance claims lead with."""
+    runs = load(os.path.join(results_dir, REAL_CORES))
+    lines = ["## On real cores", "",
+             "Emulated machines as in the next section, on a host with enough cores that "
+             "every machine's share is cores of its own (the host's cores at least the sum "
+             "of the shares), so no machine waits for another's quota. How they were run "
+             "and what they show: [real-cores/README.md](real-cores/README.md).", ""]
+    if not runs:
+        return lines + ["No such runs yet.", ""]
+    lines += _machine_rows(runs, host=True) + [""]
+    for run in runs:
+        lines += [markdown(run), ""] + _run_facts(run, f"{REAL_CORES}/")
+    return lines
+
+
 def machines_section(runs, results_dir):
     """The runs on machines of their own, one line each (the run of median throughput of
     its repeats), and the scaling plots: what these results lead with."""
@@ -383,24 +431,7 @@ def machines_section(runs, results_dir):
              "throughput of its repeats.", ""]
     if not own:
         return lines + ["No such runs yet (`--machine-cpus`).", ""]
-    lines += ["| model | cluster | machines | " + " | ".join(MACHINE_CONTENDERS)
-              + " | hybrid / pss | hybrid / mwms | repeats |",
-              "|---|---|---|" + "---:|" * (len(MACHINE_CONTENDERS) + 3)]
-    for run in sorted(own, key=lambda r: (r["model"], r["machines"]["colocate"],
-                                          r["config"]["workers"], r["_file"])):
-        cfg, m = run["config"], run["machines"]
-        cells = []
-        for name in MACHINE_CONTENDERS:
-            c = ok_result(run, name)
-            cells.append(f"{c['units_per_s']:,.0f}" if c else "-")
-        ratios = [_ratio(run, "hybrid", other) for other in ("pss", "mwms")]
-        lines.append(
-            f"| {run['model']} ({cfg.get('unit', 'examples')}/s) | {cfg['workers']} workers "
-            f"+ {cfg['ps']} ps, {_network_phrase(run)}, batch: {batches.label(cfg)} | "
-            f"{machines_phrase(m)} | "
-            + " | ".join(cells) + " | "
-            + " | ".join("-" if v is None else f"{v:.2f}x" for v in ratios)
-            + f" | {cfg.get('repeats', 1)} |")
+    lines += _machine_rows(own)
     lines += ["", "Throughput against the number of machines (batch fixed per worker; "
               "dotted: each contender's ideal line), from [scaling.md](scaling.md):", ""]
     for name in sorted(glob.glob(os.path.join(results_dir, "scaling-throughput-*.png"))):
@@ -413,6 +444,20 @@ def _network_phrase(run):
     if net["mode"] != "netns":
         return "loopback"
     return f"{net['link_gbit']:g} Gbit/s links" if net.get("link_gbit") else "no rate limit"
+
+
+def _run_facts(run, folder=""):
+    """The lines under a run's tables: its file, date, machine, code and command."""
+    m = run["machine"]
+    return [f"- file: `{folder}{run['_file']}`; date {run['date']}; machine: {m['nproc']} "
+            f"CPUs ({m['cpu']}), {m.get('memory_gib')} GiB, kernel {m['kernel']}, "
+            f"Python {m['python']}; load average before: {m.get('loadavg_before', 0):.2f}",
+            f"- code: commit {(run.get('code') or {}).get('commit') or 'unknown'}"
+            + (f", with local changes to {', '.join(modified_files(run))}"
+               if modified_files(run) else ""),
+            f"- command: `{run['command']}`"
+            + (f"; {run['wall_seconds'] / 60:.1f} min in all"
+               if run.get("wall_seconds") else ""), ""]
 
 
 def readme(runs, images, results_dir=RESULTS_DIR):
@@ -481,7 +526,7 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "MultiWorkerMirroredStrategy 25.3, one process 193 on its machine and day).",
              "- All tasks share this machine's cores: the machine is named with each run "
              "(and the load average before it: other work on the machine skews figures).",
-             "- **Machines of their own**: see the first section below; "
+             "- **Machines of their own** (the section \"On machines of their own\" below; "
              "`--machine-cpus C`): every emulated machine is a CPU cgroup with a CFS quota "
              "of C cores per period, one task per machine or, with `--colocate`, worker i "
              "and ps i on one (Parallax's layout), and every task's TensorFlow thread "
@@ -544,7 +589,7 @@ def readme(runs, images, results_dir=RESULTS_DIR):
              "as `python -m hybrid_strategy.server`): [cluster_start.md](cluster_start.md), "
              "from `python -m benchmarks.cluster_start`.",
              ""]
-    lines += machines_section(runs, results_dir)
+    lines += real_cores_section(results_dir) + machines_section(runs, results_dir)
     rows = targets(runs)
     if rows:
         lines += ["## Targets", "", "| target | measured | met |", "|---|---:|---|"]
@@ -565,18 +610,7 @@ def readme(runs, images, results_dir=RESULTS_DIR):
                 shown.add(k)
                 lines += [f"![throughput vs workers]({images[k]})", ""]
         for run in group:
-            m = run["machine"]
-            lines += [markdown(run), "",
-                      f"- file: `{run['_file']}`; date {run['date']}; machine: {m['nproc']} "
-                      f"CPUs ({m['cpu']}), {m.get('memory_gib')} GiB, kernel {m['kernel']}, "
-                      f"Python {m['python']}; load average before: "
-                      f"{m.get('loadavg_before', 0):.2f}",
-                      f"- code: commit {(run.get('code') or {}).get('commit') or 'unknown'}"
-                      + (f", with local changes to {', '.join(modified_files(run))}"
-                         if modified_files(run) else ""),
-                      f"- command: `{run['command']}`"
-                      + (f"; {run['wall_seconds'] / 60:.1f} min in all"
-                         if run.get("wall_seconds") else ""), ""]
+            lines += [markdown(run), ""] + _run_facts(run)
             if run["_file"] in images:
                 lines += [f"![bytes per step vs lower bound]({images[run['_file']]})", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -481,6 +481,36 @@ def test_targets_on_machines_of_their_own_are_read_from_those_runs_only():
                     "0.80x", False)
 
 
+def test_report_leads_with_the_runs_on_real_cores_and_names_their_host(tmp_path):
+    kept = os.path.join(REPO, "benchmarks", "results", "real-cores",
+                        "recommender-w4-p1-pwb512-spe8.json")
+    with open(kept) as f:
+        run = json.load(f)
+    os.makedirs(tmp_path / "real-cores")
+    with open(tmp_path / "real-cores" / "run.json", "w") as f:
+        json.dump(run, f)
+    hybrid, pss = (report.ok_result(run, name)["units_per_s"] for name in ("hybrid", "pss"))
+    text = report.readme([], {}, str(tmp_path))
+    section = text[text.index("## On real cores"):text.index("## On machines of their own")]
+    row = next(line for line in section.splitlines() if line.startswith("| recommender"))
+    assert "512 per worker, 8 steps per call" in row
+    assert f"on a host of 16 cores ({run['machine']['cpu']})" in row
+    assert f"| {hybrid:,.0f} | {pss:,.0f} |" in row and f"{hybrid / pss:.2f}x" in row
+    assert "- file: `real-cores/run.json`" in section
+    assert f"- code: commit {run['code']['commit']}" in section
+    assert "No such runs yet." in report.real_cores_section(str(tmp_path / "none"))
+
+
+def test_a_tree_without_git_takes_its_commit_from_the_environment(tmp_path, monkeypatch):
+    from benchmarks import machine
+    monkeypatch.setattr(machine, "REPO", str(tmp_path))
+    monkeypatch.delenv("HSB_CODE_COMMIT", raising=False)
+    assert machine.code_version()["commit"] is None
+    monkeypatch.setenv("HSB_CODE_COMMIT", "f0a466b")
+    assert machine.code_version() == {"commit": "f0a466b", "modified_files": [],
+                                      "commit_from": "HSB_CODE_COMMIT"}
+
+
 def _lm_run(workers, ps, hybrid, steps=20, cpus=0.2, colocate=False):
     return {"model": "lm", "date": "2026-01-01", "network": {"mode": "netns", "link_gbit": 1},
             "config": {"workers": workers, "ps": ps, "repeats": 3, "warmup": 3,
