@@ -511,6 +511,34 @@ def test_a_tree_without_git_takes_its_commit_from_the_environment(tmp_path, monk
                                       "commit_from": "HSB_CODE_COMMIT"}
 
 
+def test_real_cores_plan_runs_the_targets_in_order_until_the_budget_is_spent(
+        monkeypatch, capsys):
+    from benchmarks import real_cores
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    # 6 runs of 60 s fit in 400 s; nothing after them fits in the 40 s left.
+    assert real_cores.main(["--budget", "400", "--out", "/nowhere", "--skip",
+                            "recommender-pwb512", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    planned = [line.split(",")[0][4:] for line in out.splitlines() if line.startswith("=== ")]
+    assert planned == ["recommender-pwb128"]
+    assert "criteo-pwb512 (about 390 s, 40 s left)" in out
+    first = next(line for line in out.splitlines() if line.startswith("=== "))
+    assert ("--machine-cpus 2 --contenders hybrid,pss --model recommender --workers 4 "
+            "--ps 1 --steps-per-execution 8" in first)
+    assert "--per-worker-batch 128 --repeats 3 --loopback" in first
+    assert "--json /nowhere/recommender-pwb128.json" in first
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    real_cores.main(["--budget", "9999", "--out", "/nowhere", "--only", "lm-w8,lm-w1",
+                     "--repeats", "1", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "lm-w8 (its machines take 15 cores, this host has 12)" in out
+    assert "=== lm-w1, about 45 s" in out
+    with pytest.raises(SystemExit):
+        real_cores.main(["--budget", "10", "--out", "/nowhere", "--only", "lm-w9"])
+    assert "no target named 'lm-w9'; the targets are recommender-pwb512" in (
+        capsys.readouterr().err)
+
+
 def _lm_run(workers, ps, hybrid, steps=20, cpus=0.2, colocate=False):
     return {"model": "lm", "date": "2026-01-01", "network": {"mode": "netns", "link_gbit": 1},
             "config": {"workers": workers, "ps": ps, "repeats": 3, "warmup": 3,
