@@ -123,6 +123,23 @@ def test_steps_reading_ahead_exchange_once_with_each_ps_task_per_step(report):
                      from_ps=(4, 3))
 
 
+def test_steps_reading_ahead_with_adamw_on_l2_tables_and_a_short_batch_train_as_one_device(
+        report):
+    # The data's seventh batch is short: the second epoch starts with it, inside a call,
+    # then goes on from the first batch. AdamW in exact mode, l2 penalties on two tables.
+    case = report["reading_ahead_variants"]
+    assert case["calls"] == 4
+    assert case["steps_reading_ahead"] > 0
+    assert_within_tolerance(case["relative_errors"])
+
+
+def test_a_tied_table_read_ahead_until_it_moves_to_mirrored_trains_as_one_device(report):
+    case = report["tied_ahead"]
+    assert case["steps_reading_ahead"] > 0
+    assert case["placement"]["token_embedding/embeddings"] == ["mirrored", MOVED]
+    assert_within_tolerance(case["relative_errors"])
+
+
 def test_an_id_out_of_range_read_ahead_names_its_table(report):
     error = report["bad_id_ahead"]["error"]
     assert error is not None, "training with an id out of range did not fail"

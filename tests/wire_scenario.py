@@ -18,7 +18,10 @@ layer used on two inputs, a masked sequence feature, float ids.
   and 1 steps) against single-device training, and the tensors its calls send.
 - "reading_ahead": the same on the dataset repeated, two epochs of 6 steps, each step's
   push carrying the next step's lookups (communication/rows_ahead.py); "bad_id_ahead":
-  an id out of range in a batch whose lookup rides with the step before.
+  an id out of range in a batch whose lookup rides with the step before;
+  "reading_ahead_variants": the same with AdamW in exact mode, l2-penalized tables and a
+  short batch inside a call; "tied_ahead": decoder_lm's tied token table, which moves to
+  mirrored after its first step, reading ahead meanwhile.
 - "examples": two models of keras_examples, small, each trained 20 SGD steps in
   float32 and with bfloat16 rows from the same weights: decoder_lm's decoder, whose
   token table is its output projection (a dense gradient: mirrored after the first
@@ -29,6 +32,7 @@ layer used on two inputs, a masked sequence feature, float ids.
     python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/wire_scenario.py
 """
 
+import contextlib
 import json
 import sys
 
@@ -38,6 +42,7 @@ import tensorflow as tf
 
 import hybrid_strategy
 from benchmarks import step_transfers
+from hybrid_strategy.communication import rows_ahead
 from keras_examples import decoder_lm, language_model, recommender
 
 USERS, ITEMS, TAGS, BUCKETS, TAGS_PER_EXAMPLE = 300, 200, 50, 10, 3
@@ -61,15 +66,18 @@ def make_data(steps, seed=0):
     return x, y[:, None].astype("float32")
 
 
-def build_model():
+def build_model(l2=0.0):
+    penalty = keras.regularizers.L2(l2) if l2 else None
     inputs = {name: keras.Input((), dtype="int32", name=name)
               for name in ("user", "item", "seen")}
     inputs["tags"] = keras.Input((TAGS_PER_EXAMPLE,), dtype="int32", name="tags")
     inputs["bucket"] = keras.Input((), dtype="float32", name="bucket")
     inputs["dense"] = keras.Input((2,), name="dense")
-    items = keras.layers.Embedding(ITEMS, 4, name="item_embedding")
+    items = keras.layers.Embedding(ITEMS, 4, name="item_embedding",
+                                   embeddings_regularizer=penalty)
     tags = keras.layers.Embedding(TAGS, 4, mask_zero=True, name="tag_embedding")
-    parts = [keras.layers.Embedding(USERS, 8, name="user_embedding")(inputs["user"]),
+    parts = [keras.layers.Embedding(USERS, 8, name="user_embedding",
+                                    embeddings_regularizer=penalty)(inputs["user"]),
              items(inputs["item"]), items(inputs["seen"]),
              keras.layers.GlobalAveragePooling1D()(tags(inputs["tags"])),
              keras.layers.Embedding(BUCKETS, 2, name="bucket_embedding")(inputs["bucket"]),
@@ -89,13 +97,13 @@ def dataset(x, y):
 
 
 def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1, endless=False,
-            **strategy_options):
+            l2=0.0, **strategy_options):
     """(model, training losses) after `epochs` on (x, y) under HybridStrategy; `endless`:
-    from the dataset repeated, `steps_per_epoch` long."""
+    from the dataset repeated, `steps_per_epoch` = the whole batches in (x, y)."""
     strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
                                               **strategy_options)
     with strategy.scope():
-        model = build_model()
+        model = build_model(l2)
         model.set_weights(weights)
         model.compile(optimizer=make_optimizer(), loss="mse",
                       steps_per_execution=steps_per_execution)
@@ -109,15 +117,20 @@ def trained(weights, make_optimizer, x, y, epochs=1, steps_per_execution=1, endl
     return model, losses
 
 
-def single_device(weights, optimizer, x, y, epochs=1):
-    """Training on one device with dense gradients (each row once per step)."""
-    model = build_model()
+def single_device(weights, optimizer, x, y, epochs=1, endless=False, l2=0.0):
+    """Training on one device with dense gradients (each row once per step), on the
+    batches `trained` takes."""
+    model = build_model(l2)
     model.set_weights(weights)
     variables = model.trainable_variables
-    for start in list(range(0, len(y), GLOBAL_BATCH)) * epochs:
+    starts = range(0, len(y), GLOBAL_BATCH)
+    steps = len(y) // GLOBAL_BATCH if endless else len(starts)
+    for step in range(epochs * steps):
+        start = starts[step % len(starts)]
         batch = {k: v[start:start + GLOBAL_BATCH] for k, v in x.items()}
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(batch) - y[start:start + GLOBAL_BATCH]))
+            loss += sum(model.losses)
         grads = tape.gradient(loss, variables)
         optimizer.apply_gradients([(tf.convert_to_tensor(g), v)
                                    for g, v in zip(grads, variables)])
@@ -158,6 +171,76 @@ def bad_id_ahead_case(steps_per_execution=3):
     except tf.errors.InvalidArgumentError as error:
         return {"error": error.message}
     return {"error": None}
+
+
+@contextlib.contextmanager
+def steps_reading_ahead():
+    """A list that counts the steps traced whose push carried the next step's ids."""
+    traced, send_ids = [], rows_ahead.Ahead.send_ids
+
+    def counted(self, push, devices):
+        sent = send_ids(self, push, devices)
+        traced.extend([sent] if sent else [])
+        return sent
+
+    rows_ahead.Ahead.send_ids = counted
+    try:
+        yield traced
+    finally:
+        rows_ahead.Ahead.send_ids = send_ids
+
+
+def reading_ahead_variants_case(steps=6, short=22, l2=0.01):
+    """Two epochs of `steps` from the dataset repeated, 3 steps per call: AdamW in exact
+    mode on l2-penalized tables, the data's last batch `short` examples short, so that a
+    short batch falls inside a call and shifts the second epoch's batches."""
+    x, y = make_data(steps + 1)
+    kept = (steps + 1) * GLOBAL_BATCH - short
+    x, y = {k: v[:kept] for k, v in x.items()}, y[:kept]
+    weights = initial_weights()
+
+    def adamw():
+        return keras.optimizers.AdamW(0.01, weight_decay=0.05)
+
+    reference = single_device(weights, adamw(), x, y, epochs=2, endless=True, l2=l2)
+    with steps_reading_ahead() as traced:
+        model, losses = trained(weights, adamw, x, y, epochs=2, steps_per_execution=3,
+                                endless=True, l2=l2, sparse_update="exact")
+    return {"relative_errors": relative_errors(model, model.get_weights(),
+                                               reference.get_weights()),
+            "steps_reading_ahead": len(traced), "calls": len(losses)}
+
+
+def tied_ahead_case(steps=6):
+    """decoder_lm's tied token table (dense gradient: mirrored after its first step) from
+    an endless dataset, 3 steps per call, SGD, against one device."""
+    build, loss, make_arrays = EXAMPLES["tied_decoder"]
+    tokens, targets = make_arrays(steps)
+    keras.utils.set_random_seed(1)
+    reference = build()
+    weights = reference.get_weights()
+    optimizer = keras.optimizers.SGD(0.5)
+    for _ in range(2):
+        for start in range(0, len(tokens), GLOBAL_BATCH):
+            with tf.GradientTape() as tape:
+                value = loss(targets[start:start + GLOBAL_BATCH],
+                             reference(tokens[start:start + GLOBAL_BATCH]))
+            grads = tape.gradient(value, reference.trainable_variables)
+            optimizer.apply_gradients([(tf.convert_to_tensor(g), v) for g, v in
+                                       zip(grads, reference.trainable_variables)])
+    # Summed on a ps, the dense part brings the next step's rows back with it.
+    strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES, dense_sum="ps")
+    with strategy.scope():
+        model = build()
+        model.set_weights(weights)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, steps_per_execution=3)
+    data = tf.data.Dataset.from_tensor_slices((tokens, targets)).batch(GLOBAL_BATCH).repeat()
+    with steps_reading_ahead() as traced:
+        model.fit(data, epochs=2, steps_per_epoch=steps, verbose=0, shuffle=False)
+    return {"relative_errors": relative_errors(model, model.get_weights(),
+                                               reference.get_weights()),
+            "steps_reading_ahead": len(traced),
+            "placement": {r.path: [str(r.placement), r.reason] for r in strategy.placement}}
 
 
 def bfloat16_case():
@@ -242,6 +325,8 @@ def main():
               "reading_ahead": exact_case(steps=6, epochs=2, steps_per_execution=3,
                                           endless=True),
               "bad_id_ahead": bad_id_ahead_case(),
+              "reading_ahead_variants": reading_ahead_variants_case(),
+              "tied_ahead": tied_ahead_case(),
               "examples": {name: example_case(*spec) for name, spec in EXAMPLES.items()}}
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")

@@ -63,10 +63,12 @@ _WARNED = set()
 
 @dataclasses.dataclass
 class _Penalty:
-    """A table's regularizer in one traced function, and its marker rows not yet summed."""
+    """A table's regularizer in one traced function, its marker rows not yet summed, and
+    its gradient on each shard at the value the step's loss saw (not yet added)."""
 
     regularizer: object
     pending: int = 0
+    gradients: list = None
 
 
 def _penalties():
@@ -90,12 +92,18 @@ def penalty(table, regularizer):
     known = _penalties().setdefault(table.ref(), _Penalty(regularizer))
     if known.regularizer is not regularizer:
         return None
+    first = known.gradients is None  # the step's first replica: the others read the same
     with tf.name_scope("hybrid_penalty"), record.stop_recording():
-        parts = []
+        parts, gradients = [], []
         for shard in table.shards:
             with tf.device(shard.device):
-                parts.append(tf.convert_to_tensor(regularizer(shard.read_value())))
+                rows = shard.read_value()
+                parts.append(tf.convert_to_tensor(regularizer(rows)))
+                if first:
+                    gradients.append(_gradient(parts[-1], rows))
         value = tf.add_n(parts) if len(parts) > 1 else tf.identity(parts[0])
+    if first:
+        known.gradients = gradients
     table_lib.record_gradient(table, value, functools.partial(_marker_rows, table))
     return value
 
@@ -143,21 +151,30 @@ def with_gradient(shard_sums, coefficients, table):
     """
     if coefficients is None:
         return shard_sums
-    regularizer = _penalties()[table.ref()].regularizer
+    known = _penalties()[table.ref()]
+    # The gradient where the forward pass read the table, as one device takes it: the
+    # update may already have changed the shards (an optimizer's weight decay comes first).
+    gradients, known.gradients = known.gradients, None
     out = []
-    for shard, part, factors in zip(table.shards, shard_sums, coefficients):
+    for i, (shard, part, factors) in enumerate(zip(table.shards, shard_sums, coefficients)):
         with tf.device(shard.device), tf.name_scope("ps_penalty"):
             coefficient = tf.add_n([tf.identity(c) for c in factors])
-            value = shard.read_value()
-            with tf.GradientTape() as tape:
-                tape.watch(value)
-                total = regularizer(value)
-            gradient = tape.gradient(total, value)
+            if gradients is None:  # a second gradient of one forward pass: read it now
+                rows = shard.read_value()
+                gradient = _gradient(known.regularizer(rows), rows)
+            else:
+                gradient = gradients[i]
             rows = tf.math.unsorted_segment_sum(part.values, part.indices, shard.shape[0])
             if gradient is not None:
-                rows += tf.cast(coefficient, value.dtype) * gradient
+                rows += tf.cast(coefficient, rows.dtype) * gradient
             out.append(rows)
     return out
+
+
+def _gradient(total, rows):
+    """d total / d rows, None where it does not depend on them. `tf.gradients`: no tape
+    records under `record.stop_recording`, and these run in a traced function."""
+    return tf.gradients(total, rows)[0]
 
 
 def check_not_dropped(table):
