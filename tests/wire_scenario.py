@@ -180,7 +180,8 @@ def steps_reading_ahead():
 
     def counted(self, push, devices):
         sent = send_ids(self, push, devices)
-        traced.extend([sent] if sent else [])
+        if sent:
+            traced.append(sent)
         return sent
 
     rows_ahead.Ahead.send_ids = counted

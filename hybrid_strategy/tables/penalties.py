@@ -14,7 +14,8 @@ the network:
   each replica's loss by the number of replicas, and loss scaling, reach it).
 - Where the strategy sums the table's gradients, `without_markers` takes those
   rows out (each replica's `dy` then crosses as a scalar) and `with_gradient`
-  adds `sum(dy) * d regularizer(shard) / d shard` on each shard's PS, so clipping
+  adds `sum(dy) * d regularizer(shard) / d shard` on each shard's PS, taken where
+  `penalty` read the shard (before the update's weight decay, if any), so clipping
   and the optimizer see the summed gradient single-device training has.
 
 Every row of a penalized table then has a gradient each step: its update on the
@@ -160,13 +161,13 @@ def with_gradient(shard_sums, coefficients, table):
         with tf.device(shard.device), tf.name_scope("ps_penalty"):
             coefficient = tf.add_n([tf.identity(c) for c in factors])
             if gradients is None:  # a second gradient of one forward pass: read it now
-                rows = shard.read_value()
-                gradient = _gradient(known.regularizer(rows), rows)
+                value = shard.read_value()
+                gradient = _gradient(known.regularizer(value), value)
             else:
                 gradient = gradients[i]
             rows = tf.math.unsorted_segment_sum(part.values, part.indices, shard.shape[0])
             if gradient is not None:
-                rows += tf.cast(coefficient, rows.dtype) * gradient
+                rows += tf.cast(coefficient, shard.dtype) * gradient
             out.append(rows)
     return out
 
