@@ -81,9 +81,11 @@ def test_the_chief_receives_the_steps_logs_alone(report):
 def test_the_optimizers_variables_ride_with_the_gradients(report):
     # Adam reads the learning rate and the step count (mirrored, on the workers) for
     # each of the 4 tables (6 shards, 3 on each ps): they ride with worker 0's gradients.
-    transfers = report["reads"]["transfers"]["transfers"]
-    for ps in ("ps0", "ps1"):
-        assert transfers["worker0->" + ps] == 2, transfers
+    # In exact mode too: each shard's shape is read on its own ps.
+    for case in ("reads", "exact_reads"):
+        transfers = report[case]["transfers"]["transfers"]
+        for ps in ("ps0", "ps1"):
+            assert transfers["worker0->" + ps] == 2, (case, transfers)
 
 
 def test_the_step_counter_has_every_step_in_every_copy(report):

@@ -13,7 +13,8 @@ layer used on two inputs, a masked sequence feature, float ids.
   float32 (relative error of each weight's update).
 - "convergence": the training loss of 40 Adagrad steps, in float32 and in bfloat16.
 - "reads": the tensors one Adam step sends between tasks (Adam reads the learning
-  rate and the step count for every table it updates).
+  rate and the step count for every table it updates); "exact_reads": the same with
+  `sparse_update="exact"`, whose update takes every row of each shard.
 - "multi_step": two epochs of 7 batches with `steps_per_execution=3` (calls of 3, 3
   and 1 steps) against single-device training, and the tensors its calls send.
 - "reading_ahead": the same on the dataset repeated, two epochs of 6 steps, each step's
@@ -255,10 +256,11 @@ def bfloat16_case():
     return {"update_errors": relative_errors(model, updates["bfloat16"], updates[None])}
 
 
-def reads_case():
+def reads_case(sparse_update="lazy"):
     x, y = make_data(1, seed=4)
     with step_transfers.RunMetadata() as metadata:
-        trained(initial_weights(), lambda: keras.optimizers.Adam(0.01), x, y)
+        trained(initial_weights(), lambda: keras.optimizers.Adam(0.01), x, y,
+                sparse_update=sparse_update)
     return {"transfers": step_transfers.count_transfers(metadata.result, names=True)}
 
 
@@ -322,6 +324,7 @@ def main():
     hybrid_strategy.HybridStrategy()
     report = {"exact": exact_case(), "bfloat16": bfloat16_case(),
               "convergence": convergence_case(), "reads": reads_case(),
+              "exact_reads": reads_case("exact"),
               "multi_step": exact_case(steps=7, epochs=2, steps_per_execution=3),
               "reading_ahead": exact_case(steps=6, epochs=2, steps_per_execution=3,
                                           endless=True),

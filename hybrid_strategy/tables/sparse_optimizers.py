@@ -464,8 +464,9 @@ def _slots_of(optimizer, table):
 def _dense(grad, shard):
     if not isinstance(grad, tf.IndexedSlices):
         return tf.convert_to_tensor(grad)
-    shape = tf.shape(shard, out_type=grad.indices.dtype)
+    # The shard's shape on its own PS: read elsewhere, it would cross the network each step.
     with tf.device(shard.device):
+        shape = tf.shape(shard, out_type=grad.indices.dtype)
         return tf.scatter_nd(tf.expand_dims(grad.indices, -1), grad.values, shape)
 
 
