@@ -26,28 +26,31 @@ import subprocess
 import sys
 import time
 
-Target = collections.namedtuple("Target", "name machines cpus seconds_per_run contenders args")
+from benchmarks import cpu_groups
+from benchmarks import run
+
+Target = collections.namedtuple("Target", "name cpus seconds_per_run contenders args")
 
 _RECOMMENDER = ("--model", "recommender", "--workers", "4", "--ps", "1")
 _CALLS = ("--steps-per-execution", "8", "--warmup", "24", "--steps", "240")
+_LM_CALLS = ("--steps-per-execution", "8", "--warmup", "8", "--steps", "48",
+             "--per-worker-batch", "128")
 TARGETS = (
-    Target("recommender-pwb512", 6, 2, 55, ("hybrid", "pss"),
+    Target("recommender-pwb512", 2, 55, ("hybrid", "pss"),
            _RECOMMENDER + _CALLS + ("--per-worker-batch", "512")),
-    Target("recommender-pwb128", 6, 2, 60, ("hybrid", "pss"),
+    Target("recommender-pwb128", 2, 60, ("hybrid", "pss"),
            _RECOMMENDER + _CALLS + ("--per-worker-batch", "128")),
-    Target("criteo-pwb512", 6, 2, 65, ("hybrid", "pss"),
+    Target("criteo-pwb512", 2, 65, ("hybrid", "pss"),
            ("--model", "criteo", "--workers", "4", "--ps", "1") + _CALLS
            + ("--per-worker-batch", "512")),
-    Target("lm-w8", 10, 1.5, 90, ("hybrid", "pss"),
-           ("--model", "lm", "--workers", "8", "--ps", "1", "--steps-per-execution", "8",
-            "--warmup", "8", "--steps", "48", "--per-worker-batch", "128")),
-    Target("lm-w1", 3, 1.5, 45, ("hybrid",),
-           ("--model", "lm", "--workers", "1", "--ps", "1", "--steps-per-execution", "8",
-            "--warmup", "8", "--steps", "48", "--per-worker-batch", "128")),
-    Target("parallax", 5, 2, 60, ("hybrid", "pss"),
+    Target("lm-w8", 1.5, 90, ("hybrid", "pss"),
+           ("--model", "lm", "--workers", "8", "--ps", "1") + _LM_CALLS),
+    Target("lm-w1", 1.5, 45, ("hybrid",),
+           ("--model", "lm", "--workers", "1", "--ps", "1") + _LM_CALLS),
+    Target("parallax", 2, 60, ("hybrid", "pss"),
            ("--model", "recommender", "--workers", "4", "--ps", "4", "--colocate") + _CALLS
            + ("--per-worker-batch", "128")),
-    Target("single-pwb512", 1, 2, 30, ("single",),
+    Target("single-pwb512", 2, 30, ("single",),
            _RECOMMENDER + _CALLS + ("--per-worker-batch", "512")),
 )
 NAMES = tuple(t.name for t in TARGETS)
@@ -59,6 +62,17 @@ def command(target, out_dir, repeats, timeout):
              "--contenders", ",".join(target.contenders), *target.args,
              "--repeats", str(repeats), "--loopback", "--timeout", str(int(timeout)),
              "--stall-timeout", "40", "--json", os.path.join(out_dir, f"{target.name}.json")])
+
+
+def machines(target):
+    """Emulated machines the target's largest contender takes, laid out as benchmarks.run
+    lays them out (the chief's included)."""
+    count = {flag: int(target.args[target.args.index(flag) + 1])
+             for flag in ("--workers", "--ps")}
+    colocate = "--colocate" in target.args
+    return max(len(set(cpu_groups.layout(
+        [t.name for t in run.cluster_tasks(name, count["--workers"], count["--ps"])],
+        colocate).values())) for name in target.contenders)
 
 
 def estimate(target, repeats):
@@ -108,7 +122,7 @@ def main(argv=None):
     start, planned = time.monotonic(), 0.0  # planned: the estimates a dry run counts as spent
     ran, skipped = [], []
     for target in options.targets:
-        need = target.machines * target.cpus
+        need = machines(target) * target.cpus
         if need > cores:
             skipped.append(f"{target.name} (its machines take {need:g} cores, this host "
                            f"has {cores})")
