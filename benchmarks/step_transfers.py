@@ -88,10 +88,15 @@ def _functions(run_metadata):
         yield from functions.values()
 
 
+# The name scope of the PS tasks' sums of dense gradients (communication/routing.py).
+_DENSE_SUM = re.compile(r"(^|/)ps_dense_sum(_\d+)?/")
+
+
 def count_transfers(run_metadata, names=False):
     """{"transfers": {"from->to": tensors}, "total": n, "ops": {task: ops},
     "per_task": {task: tensors sent and received, collectives' included}, "collectives":
-    {task: collective ops}} of the largest function (most nodes) that ran over several
+    {task: collective ops}, "dense_sums": {task: ops summing the workers' dense
+    gradients on a PS}} of the largest function (most nodes) that ran over several
     tasks, or None; with `names`, also "names": {"from->to": [edge names of the
     tensors]}."""
     best = None
@@ -106,11 +111,14 @@ def count_transfers(run_metadata, names=False):
         return None
     transfers, ops = collections.Counter(), collections.Counter()
     collectives, per_task = collections.Counter(), collections.Counter()
+    dense_sums = collections.Counter()
     edge_names = collections.defaultdict(list)
     for part in best[1]:
         nodes = {node.name: node for node in part.node}
         for node in part.node:
             ops[task_of(node.device)] += 1
+            if node.op == "AddN" and _DENSE_SUM.search(node.name):
+                dense_sums[task_of(node.device)] += 1
             if node.op in _COLLECTIVES:
                 collectives[task_of(node.device)] += 1
                 per_task[task_of(node.device)] += _collective_messages(node, nodes)
@@ -125,7 +133,8 @@ def count_transfers(run_metadata, names=False):
                         node.attr["tensor_name"].s.decode())
     counted = {"transfers": dict(sorted(transfers.items())), "total": sum(transfers.values()),
                "ops": dict(sorted(ops.items())), "per_task": dict(sorted(per_task.items())),
-               "collectives": dict(sorted(collectives.items()))}
+               "collectives": dict(sorted(collectives.items())),
+               "dense_sums": dict(sorted(dense_sums.items()))}
     if names:
         counted["names"] = dict(sorted(edge_names.items()))
     return counted

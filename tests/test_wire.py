@@ -125,6 +125,13 @@ def test_steps_reading_ahead_exchange_once_with_each_ps_task_per_step(report):
                      from_ps=(4, 3))
 
 
+def test_steps_reading_ahead_sum_a_slice_of_the_dense_gradients_on_each_ps_task(report):
+    # Both ps tasks send every worker its next rows: each sums a slice of the dense
+    # gradients, in the tensors above. Steps standing alone sum them all on ps0.
+    assert set(report["reading_ahead"]["transfers"]["dense_sums"]) == {"ps0", "ps1"}
+    assert set(report["exact"]["transfers"]["dense_sums"]) == {"ps0"}
+
+
 def test_steps_reading_ahead_with_adamw_on_l2_tables_and_a_short_batch_train_as_one_device(
         report):
     # The data's seventh batch is short: the second epoch starts with it, inside a call,

@@ -44,7 +44,8 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
 
     A PS table's gradient, sparse or dense, is summed per worker and on its shards' PS
     tasks (aggregation.py); a mirrored variable's dense gradient is summed on the
-    `topology`'s reducer PS in the same exchange where that pays (`dense_sum.sum_on_ps_pays`),
+    `topology`'s reducer PS (sliced over the PS tasks while reading ahead, `_reducers`) in
+    the same exchange where that pays (`dense_sum.sum_on_ps_pays`),
     else all-reduced by `dense_sum` (hierarchical_allreduce.py) where it takes it, else by
     `collective_reduce` (TensorFlow's). Every worker sends each PS task one tensor.
 
@@ -83,18 +84,18 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
     summable = [i for i in mirrored if dense_sum is not None
                 and dense_sum.accepts(components(pairs[i][0]), pairs[i][1])]
     on_ps = _summed_on_ps(topology, [components(pairs[i][0]) for i in summable])
-    worker_sums = None
+    # Where the dense sum is all-reduced the next step's rows would come back alone: the
+    # language model measured no gain from that (benchmarks/results/steps-reading-ahead).
+    ahead = rows_ahead.current() if push.destinations or on_ps else None
+    if ahead is not None and (summable and not on_ps or not ahead.send_ids(push, devices)):
+        ahead = None
     if on_ps:
         worker_sums = dense_sum.sum_per_worker([components(pairs[i][0]) for i in summable])
-        tickets = [[push.put(leader, topology.reducer, total)
+        reducers = _reducers(topology, ahead, dense_sum.leaders, worker_sums)
+        tickets = [[_put_sliced(push, leader, reducers, total)
                     for leader, total in zip(dense_sum.leaders, totals)]
                    for totals in worker_sums.per_dtype]
     carried = _riding(push, topology)
-    # Where the dense sum is all-reduced the next step's rows would come back alone: the
-    # language model measured no gain from that (benchmarks/results/steps-reading-ahead).
-    ahead = rows_ahead.current() if push.destinations else None
-    if ahead is not None and (summable and not on_ps or not ahead.send_ids(push, devices)):
-        ahead = None
     push.deliver()
     carried()
     if ahead is not None:
@@ -113,7 +114,7 @@ def batch_reduce(topology, reduce_op, value_destination_pairs, options, collecti
         aggregated.append(table.path)
     if on_ps:
         reduced = dense_sum.to_replicas(reduce_op, worker_sums,
-                                        _summed_on(topology.reducer, push, tickets,
+                                        _summed_on(reducers, push, tickets,
                                                    dense_sum.leaders, ahead))
         _regrouped(results, summable, reduced)
     elif summable and dense_sum.replaces_collectives:
@@ -166,21 +167,59 @@ def _summed_on_ps(topology, per_replica_values):
     return hierarchical_allreduce.sum_on_ps_pays(topology.num_workers, dense_bytes)
 
 
-def _summed_on(reducer, push, tickets, leaders, ahead=None):
-    """The workers' vectors that arrived on `reducer` (tickets per dtype, per worker),
-    summed there and sent back to each worker's first device, in one tensor each: with
-    the next step's rows when `ahead` (rows_ahead.py) has them come back later."""
+def _reducers(topology, ahead, leaders, worker_sums):
+    """The PS tasks that sum the dense gradients (`worker_sums`), each a slice of them.
+
+    The topology's reducer alone, unless the step reads ahead: then every PS task whose
+    next rows go back to every worker anyway sums a slice, which crosses in the tensors
+    that cross already, so no one task's link and CPU take every worker's gradients.
+    """
+    if ahead is None or not all(total.shape.is_fully_defined()
+                                for totals in worker_sums.per_dtype for total in totals):
+        return [topology.reducer]
+    return ahead.returning_to_all(topology.ps_devices, leaders) or [topology.reducer]
+
+
+def _put_sliced(push, leader, reducers, total):
+    """Puts `total` (a vector on `leader`) in `push` in one slice per reducer, nearly
+    equal, in order; their tickets."""
+    if len(reducers) == 1:
+        return [push.put(leader, reducers[0], total)]
+    count, n = len(reducers), total.shape[0]
+    with tf.device(leader):
+        parts = tf.split(total, [n // count + (k < n % count) for k in range(count)])
+    return [push.put(leader, reducer, part) for reducer, part in zip(reducers, parts)]
+
+
+def _summed_on(reducers, push, tickets, leaders, ahead=None):
+    """The workers' vectors that arrived on `reducers` (tickets per dtype, per worker, per
+    reducer's slice), each slice summed on its reducer and sent back to each worker's
+    first device, where the slices are joined: with the next step's rows when `ahead`
+    (rows_ahead.py) has them come back later."""
     back = wire.Outbox()
     returned = []
     for group in tickets:
-        with tf.device(reducer), tf.name_scope("ps_dense_sum"):
-            arrived = [push.arrived(ticket) for ticket in group]
-            total = tf.add_n(arrived) if len(arrived) > 1 else arrived[0]
-        returned.append([(back.put(reducer, leader, total), total) for leader in leaders])
+        returned.append([])
+        for k, reducer in enumerate(reducers):
+            with tf.device(reducer), tf.name_scope("ps_dense_sum"):
+                arrived = [push.arrived(slices[k]) for slices in group]
+                total = tf.add_n(arrived) if len(arrived) > 1 else arrived[0]
+            returned[-1].append([(back.put(reducer, leader, total), total)
+                                 for leader in leaders])
     if ahead is not None:
-        return ahead.returned_later(back, returned)
-    delivered = back.deliver()
-    return [[delivered[ticket] for ticket, _ in group] for group in returned]
+        delivered = ahead.returned_later(back, returned)
+    else:
+        tensors = back.deliver()
+        delivered = [[[tensors[ticket] for ticket, _ in to_leaders] for to_leaders in group]
+                     for group in returned]
+    joined = []
+    for slices in delivered:
+        joined.append([])
+        for w, leader in enumerate(leaders):
+            parts = [to_leaders[w] for to_leaders in slices]
+            with tf.device(leader):
+                joined[-1].append(tf.concat(parts, 0) if len(parts) > 1 else parts[0])
+    return joined
 
 
 def _regrouped(results, positions, reduced):

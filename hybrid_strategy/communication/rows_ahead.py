@@ -72,6 +72,16 @@ class Ahead:
             push, self._unique_ids(), [host for _, _, host, _ in self._requests])
         return True
 
+    def returning_to_all(self, tasks, destinations):
+        """Those of `tasks` (PS devices), in order, that send the next step's rows to
+        every one of `destinations`: what else they send there crosses in that tensor."""
+        hosts = {}
+        for _, _, host, request in self._requests:
+            for shard in request[0].shards:
+                hosts.setdefault(_canonical(shard.device), set()).add(_canonical(host))
+        wanted = {_canonical(device) for device in destinations}
+        return [task for task in tasks if wanted <= hosts.get(_canonical(task), set())]
+
     def ids_arrived(self, arrived):
         """`arrived`: {ticket: tensor} of the push, once delivered."""
         self._arrived = arrived
@@ -136,6 +146,10 @@ def reading_ahead(lookups):
 def current():
     """The `Ahead` of the step being traced in this graph, or None; a push takes it once."""
     return _AHEAD.pop(tf.compat.v1.get_default_graph(), None)
+
+
+def _canonical(device):
+    return tf.DeviceSpec.from_string(device).to_string()
 
 
 def _flat(value):

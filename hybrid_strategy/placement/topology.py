@@ -74,7 +74,8 @@ class Topology:
 
     @property
     def reducer(self):
-        """The PS task that sums dense gradients in the step's exchange, or None."""
+        """The PS task that sums dense gradients in the step's exchange (all of them,
+        unless the step reads ahead: communication/routing.py), or None."""
         return self.ps_devices[0] if self.on_cluster and self.ps_devices else None
 
     def of_worker(self, worker):
