@@ -8,9 +8,9 @@ the same weights on one device (`optimizer_references.train`: dense gradients fo
 exact mode, the lazy rule for lazy mode), and reports the relative error of every
 weight and optimizer slot of the tables, and where each weight and slot lives.
 Works with Keras 3 and, under TF_USE_LEGACY_KERAS=1, with tf_keras (no
-MultiOptimizer there). Prints the report as JSON:
+MultiOptimizer there). Prints the report as JSON, of every case or of those named:
 
-    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/optimizer_scenario.py
+    python -m hybrid_strategy.launch --workers 2 --ps 2 -- python tests/optimizer_scenario.py [adamw_exact,...]
 """
 
 import json
@@ -171,13 +171,17 @@ def case(strategy, weights, make_optimizer, reference_optimizer, mode):
     }
 
 
-def main():
+def main(argv):
+    """Runs every case, or those named in `argv` (comma-separated)."""
     import hybrid_strategy
 
     keras.utils.set_random_seed(3)
     weights = build_model().get_weights()
     report = {}
-    for name, (make_optimizer, reference_optimizer, mode) in cases().items():
+    chosen = cases()
+    if argv:
+        chosen = {name: chosen[name] for name in argv[0].split(",")}
+    for name, (make_optimizer, reference_optimizer, mode) in chosen.items():
         strategy = hybrid_strategy.HybridStrategy(min_shard_bytes=MIN_SHARD_BYTES,
                                                   sparse_update=mode)
         report[name] = case(strategy, weights, make_optimizer, reference_optimizer, mode)
@@ -186,4 +190,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
