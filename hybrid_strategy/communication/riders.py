@@ -34,6 +34,8 @@ import weakref
 
 import tensorflow as tf
 
+from hybrid_strategy.sharding import wire
+
 _STEPS = weakref.WeakKeyDictionary()  # graph -> _Step
 _LOCK = threading.Lock()
 
@@ -100,7 +102,7 @@ def taken_by_push():
 
 def arrived(key, device, tensor):
     """Notes `tensor`, `key`'s value as it arrived on `device` with the push."""
-    _step(create=True).copies[(key, tf.DeviceSpec.from_string(device).to_string())] = tensor
+    _step(create=True).copies[(key, wire.canonical(device))] = tensor
 
 
 def copy_on(key, device):
@@ -109,4 +111,4 @@ def copy_on(key, device):
     step = _step()
     if step is None:
         return None
-    return step.copies.get((key, tf.DeviceSpec.from_string(device).to_string()))
+    return step.copies.get((key, wire.canonical(device)))

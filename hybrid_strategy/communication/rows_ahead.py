@@ -78,9 +78,10 @@ class Ahead:
         hosts = {}
         for _, _, host, request in self._requests:
             for shard in request[0].shards:
-                hosts.setdefault(_canonical(shard.device), set()).add(_canonical(host))
-        wanted = {_canonical(device) for device in destinations}
-        return [task for task in tasks if wanted <= hosts.get(_canonical(task), set())]
+                hosts.setdefault(wire.canonical(shard.device), set()).add(
+                    wire.canonical(host))
+        wanted = {wire.canonical(device) for device in destinations}
+        return [task for task in tasks if wanted <= hosts.get(wire.canonical(task), set())]
 
     def ids_arrived(self, arrived):
         """`arrived`: {ticket: tensor} of the push, once delivered."""
@@ -146,10 +147,6 @@ def reading_ahead(lookups):
 def current():
     """The `Ahead` of the step being traced in this graph, or None; a push takes it once."""
     return _AHEAD.pop(tf.compat.v1.get_default_graph(), None)
-
-
-def _canonical(device):
-    return tf.DeviceSpec.from_string(device).to_string()
 
 
 def _flat(value):

@@ -74,8 +74,7 @@ class Outbox:
         if tensor.shape.rank is None:
             raise ValueError(f"{tensor.name} cannot cross between tasks in an Outbox: its "
                              "rank is unknown.")
-        pair = tuple(tf.DeviceSpec.from_string(device or "").to_string()
-                     for device in (source, destination))
+        pair = (canonical(source), canonical(destination))
         parts = self._parts.setdefault(pair, [])
         parts.append(tensor)
         return pair + (len(parts) - 1,)
@@ -156,6 +155,11 @@ def _unpack(packed, parts):
         value.set_shape(part.shape)
         received.append(tf.cast(value, tf.bool) if part.dtype == tf.bool else value)
     return received
+
+
+def canonical(device):
+    """One spelling of `device` ('/cpu:0' and '/device:CPU:0' alike), to compare or key by."""
+    return tf.DeviceSpec.from_string(device or "").to_string()
 
 
 def host_of(device):
