@@ -28,8 +28,9 @@ TOLERANCE = 1e-5
 BFLOAT16_STEP_TOLERANCE = 0.01
 
 
-# In the background with the session's other chief programs (tests/runs.py): run when
-# this module's tests came to it, the session ended on it alone, one core idle.
+# In the background with the session's other chief programs (tests/runs.py): run from a
+# module fixture, it started only when this module's tests came up, and the session
+# ended on it alone with one core idle.
 RUNS = Runs({"report": functools.partial(json_report, on_cluster(SCENARIO, workers=2, ps=2),
                                          "the wire scenario")})
 
