@@ -162,11 +162,17 @@ def h5_case(strategy, out_dir):
     model_path = os.path.join(out_dir, "model.h5")
     model.save(model_path)
     reloaded = keras.models.load_model(model_path, compile=False)
+    # The reloaded model predicts on this process's device, on the whole batch: so does
+    # the trained model's copy it is held against. The cluster's predictions split the
+    # batch over the replicas, whose matmuls may round apart by the CPU's instruction set.
+    on_one_device = scenario.build_model()
+    on_one_device.set_weights(model.get_weights())
     held_out = scenario.make_data(GLOBAL_BATCH, seed=5)[0]
     return {"weights_error": max_error(loaded, model),
+            "model_weights_error": max_error(reloaded, model),
             "model_predict_error": float(np.max(np.abs(
                 reloaded.predict(held_out, verbose=0)
-                - model.predict(held_out, verbose=0))))}
+                - on_one_device.predict(held_out, verbose=0))))}
 
 
 def mixed_precision_weights(strategy):

@@ -91,6 +91,7 @@ def test_backup_and_restore_resumes_where_training_stopped(report):
 def test_h5_weights_and_models_round_trip(report):
     case = report[0]["h5"]
     assert case["weights_error"] == 0.0
+    assert case["model_weights_error"] == 0.0
     assert case["model_predict_error"] == 0.0
 
 
