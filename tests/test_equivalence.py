@@ -23,14 +23,15 @@ TOLERANCE = 1e-5
 
 
 # name -> (launch arguments, Keras flavour). Keras 3 on 1 ps (tables whole, the dense
-# gradients summed on the ps) and on 3 (tables split, unevenly: 167, 167 and 166 rows;
-# the dense gradients all-reduced by the workers); tf_keras on 2.
+# gradients summed on the ps), on 3 (tables split, unevenly: 167, 167 and 166 rows; the
+# dense gradients all-reduced by the workers) and on one machine; tf_keras on 2 ps (on
+# one machine its replicas are checked by tests/test_batch_sizes.py and
+# tests/test_asynchronous.py).
 SHAPES = {
     "2workers_1ps": (on_cluster(SCENARIO, ps=1), "keras3"),
     "2workers_3ps": (on_cluster(SCENARIO, "--dense-sum", "allreduce", ps=3), "keras3"),
     "one_machine": ([SCENARIO, "--local-replicas", "2"], "keras3"),
     "tf_keras_2workers_2ps": (on_cluster(SCENARIO, ps=2), "tf_keras"),
-    "tf_keras_one_machine": ([SCENARIO, "--local-replicas", "2"], "tf_keras"),
 }
 
 
