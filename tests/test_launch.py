@@ -146,6 +146,57 @@ def test_cli_restarts_after_exit_75_but_not_after_another_failure():
     assert all(gone(pid) for report in reports for pid in report["servers"])
 
 
+# A chief script for --fork-chief: REPORT, its own command line, what Python gave it, and
+# an exit handler; it exits with the code its first argument names.
+FORKED_REPORT = REPORT + (
+    "import atexit\n"
+    "atexit.register(print, 'the exit handler ran', flush=True)\n"
+    "print(json.dumps({'command': command(os.getpid()), 'argv': sys.argv, 'name': __name__,\n"
+    "                  'path0': sys.path[0]}), flush=True)\n"
+    "sys.exit(int(sys.argv[1]))\n"
+)
+
+
+def forking_launcher_command(*chief):
+    return [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "1", "--ps", "1",
+            "--fork-chief", "--", sys.executable, *chief]
+
+
+def test_cli_forks_the_chief_from_itself_as_python_would_run_it(tmp_path):
+    script = tmp_path / "chief.py"
+    script.write_text(FORKED_REPORT)
+    run = subprocess.run(forking_launcher_command(str(script), "3"), env=ENV, cwd=REPO,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr
+    lines = run.stdout.splitlines()
+    report, python = json.loads(lines[0]), json.loads(lines[1])
+    assert report["tf_config"]["task"] == {"type": "chief", "index": 0}
+    assert python["command"] == report["launcher"]
+    assert python["argv"] == [str(script), "3"]
+    assert (python["name"], python["path0"]) == ("__main__", str(tmp_path))
+    assert lines[2:] == ["the exit handler ran"]
+    assert all(gone(pid) for pid in report["servers"] + [report["pid"]])
+
+
+def test_cli_sigint_stops_a_forked_chief_run_as_a_module_and_the_servers(tmp_path):
+    (tmp_path / "sleeper.py").write_text(REPORT + "import time\ntime.sleep(120)")
+    launcher = subprocess.Popen(
+        forking_launcher_command("-m", "sleeper"), env=ENV, cwd=tmp_path,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)  # so the signal reaches the launcher only
+    try:
+        report = json.loads(read_line(launcher.stdout, timeout=60))
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=15)
+        assert launcher.returncode == 130, stderr
+        assert "KeyboardInterrupt" in stderr
+        assert all(gone(pid) for pid in report["servers"] + [report["pid"]])
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
 # Prints, from inside the chief's network, its interfaces and listening TCP ports, then
 # waits for a line on stdin so that the test can look from outside meanwhile.
 LISTENERS = REPORT + (
@@ -338,6 +389,10 @@ def test_local_cluster_must_be_started_before_use():
     (["--ps", "-1", "--", "true"], "--ps must be 0 or more, got -1"),
     (["--startup-timeout", "0", "--", "true"], "--startup-timeout must be a positive number"),
     (["--max-restarts", "-1", "--", "true"], "--max-restarts must be 0 or more, got -1"),
+    (["--fork-chief", "--", "true"], "in a fork of the launcher, but the command runs 'true'"),
+    (["--fork-chief", "--", sys.executable, "-u", "train.py"],
+     "but the command gives Python no script, or options of its own"),
+    (["--fork-chief", "--", sys.executable, "missing.py"], "there is no script 'missing.py'"),
 ])
 def test_cli_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
