@@ -1,7 +1,7 @@
 """Makes the repository and tests/ importable, keeps TensorFlow's logs short, declares the
 markers (`cluster`, `oldest_keras`), gives tests this machine's CPU cgroups
-(`cpu_groups_here`), and drops the background chief programs (tests/runs.py) no test is
-left to read."""
+(`cpu_groups_here`), drops the background chief programs (tests/runs.py) no test is left
+to read, and, with --durations, lists the runs that took the most CPU."""
 
 import os
 import sys
@@ -65,6 +65,20 @@ def pytest_runtestloop(session):
     if not (session.config.option.collectonly or session.config.option.setuponly):
         import runs  # pylint: disable=import-outside-toplevel
         runs.start_in_order(session.items)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """With --durations N: the N scenario runs (tests/runs.py) that took the most CPU, their
+    servers' included."""
+    import runs  # pylint: disable=import-outside-toplevel
+    count = config.option.durations
+    if not count or not runs.CPU_SECONDS:
+        return
+    terminalreporter.write_sep("=", f"the {count} runs that took the most CPU "
+                                    f"({sum(cpu for cpu, _ in runs.CPU_SECONDS):.0f} s in "
+                                    f"{len(runs.CPU_SECONDS)} runs)")
+    for cpu, command in sorted(runs.CPU_SECONDS, reverse=True)[:count]:
+        terminalreporter.write_line(f"{cpu:7.1f}s  {command}")
 
 
 def pytest_sessionfinish():

@@ -1,18 +1,23 @@
-"""Runs a test scenario in a fresh Python process and reads the JSON report it prints last.
+"""Runs a test scenario in a Python process of its own and reads the JSON report it prints last.
 
 Scenarios run as the chief of a local cluster (`on_cluster`) or alone, under Keras 3 or
-tf_keras, and always import the package from this checkout:
+tf_keras, and always import the package from this checkout. Each process is a fork of a
+Python that has imported TensorFlow (`python`), and a chief is a fork of its launcher
+(`--fork-chief`), so that no scenario pays for importing TensorFlow:
 
     report = json_report(on_cluster("tests/scenario.py", workers=2, ps=1), "scenario")
 """
 
+import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from concurrent import futures
 
 import pytest
@@ -22,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The start of a chief program: a strategy that reports a task silent for 10 s, and a
 # compiled model with a table, with its data `x`, `y`.
 SMALL_CHIEF = textwrap.dedent("""
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import numpy as np
     import tensorflow as tf
     import hybrid_strategy
@@ -39,7 +44,7 @@ SMALL_CHIEF = textwrap.dedent("""
 
 # A chief (arguments: VICTIM SIGNAL) that trains, sends SIGNAL (SIGKILL, SIGSTOP) to server
 # number VICTIM of the launcher's cluster (workers first, then ps) at its 4th step, prints
-# that server's [job, index, address] and trains on.
+# that server's [job, index, address] and time.monotonic() then, and trains on.
 FAULTY_CHIEF = SMALL_CHIEF + textwrap.dedent("""
     victim, signum = int(sys.argv[1]), signal.Signals[sys.argv[2]]
     pid = int(os.environ["HYBRID_STRATEGY_SERVER_PIDS"].split(",")[victim])
@@ -49,7 +54,7 @@ FAULTY_CHIEF = SMALL_CHIEF + textwrap.dedent("""
         def on_train_batch_end(self, batch, logs=None):
             if batch == 3:
                 os.kill(pid, signum)
-                print(json.dumps(task), flush=True)
+                print(json.dumps(list(task) + [time.monotonic()]), flush=True)
 
     model.fit(x, y, batch_size=32, epochs=10_000, verbose=0, callbacks=[Fault()])
     print("training went on without the task")
@@ -60,7 +65,7 @@ def on_cluster(script, *args, workers=2, ps=1, devices_per_worker=1):
     """The arguments after `python` that run `script` as the chief of a local cluster
     (each worker with `devices_per_worker` CPU replicas)."""
     return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps),
-            "--devices-per-worker", str(devices_per_worker), "--",
+            "--devices-per-worker", str(devices_per_worker), "--fork-chief", "--",
             sys.executable, script, *args]
 
 
@@ -76,14 +81,103 @@ def environ(flavour="keras3"):
 
 
 def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=ROOT):
-    """Runs `python *arguments`; fails the test with its stderr if it fails, else returns
-    the last line it printed, parsed as JSON. `what` names the run in the failure."""
-    run = subprocess.run([sys.executable] + list(arguments),
-                         env=environ(flavour) if env is None else env,
-                         capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    """Runs `python *arguments` (see `python`); fails the test with its stderr if it
+    fails, else returns the last line it printed, parsed as JSON. `what` names the run in
+    the failure."""
+    run = python(arguments, env=environ(flavour) if env is None else env, cwd=cwd,
+                 timeout=timeout)
     if run.returncode != 0:
         pytest.fail(f"{what} exited {run.returncode}:\n{run.stderr[-6000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def python(arguments, env, cwd=ROOT, timeout=900):
+    """subprocess.run([python, *arguments], capture_output=True, text=True, ...), in a fork
+    of a Python that has imported TensorFlow with `env`'s import-time settings
+    (tests/python_forks.py): a scenario's process starts without importing it again."""
+    key = tuple(env.get(name) for name in _IMPORT_SETTINGS) + tuple(
+        dict.fromkeys(env.get("PYTHONPATH", "").split(os.pathsep)))  # each folder once
+    with _FORKERS_LOCK:
+        if key not in _FORKERS:
+            _FORKERS[key] = _Forker(env)
+    return _FORKERS[key].run(list(arguments), env, cwd, timeout)
+
+
+# What TensorFlow reads from the environment when it is imported; Python's path too.
+_IMPORT_SETTINGS = ("TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL")
+_FORKERS = {}
+_FORKERS_LOCK = threading.Lock()
+# (CPU seconds, command) of every run that ended, for the session's summary (conftest.py).
+CPU_SECONDS = []
+
+
+class _Forker:
+    """tests/python_forks.py, started with `env`, and the runs it forks for this process."""
+
+    def __init__(self, env):
+        self._directory = new_directory("python_forks")
+        self._stderr = os.path.join(self._directory, "stderr")
+        with open(self._stderr, "wb") as stderr:
+            self._process = subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "tests", "python_forks.py")], env=env,
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._runs = {}  # request id -> (future pid, future exit code)
+        self._commands = {}  # request id -> its command's arguments, shortened
+        threading.Thread(target=self._read_answers, daemon=True).start()
+
+    def _read_answers(self):
+        for line in self._process.stdout:
+            answer = json.loads(line)
+            pid, code = self._runs[answer["id"]]
+            if "pid" in answer:
+                pid.set_result(answer["pid"])
+            else:
+                code.set_result(answer["exit"])
+                CPU_SECONDS.append((answer["cpu"], " ".join(self._commands[answer["id"]])))
+        with open(self._stderr, errors="replace") as stderr:
+            died = RuntimeError(f"tests/python_forks.py exited {self._process.wait()}:\n"
+                                f"{stderr.read()[-3000:]}")
+        for run in self._runs.values():
+            for future in run:
+                if not future.done():
+                    future.set_exception(died)
+
+    def run(self, arguments, env, cwd, timeout):
+        request = next(self._ids)
+        output = {name: os.path.join(self._directory, f"{request}.{name}")
+                  for name in ("stdout", "stderr")}
+        with self._lock:
+            pid, code = self._runs[request] = (futures.Future(), futures.Future())
+            self._commands[request] = [_short(argument) for argument in arguments
+                                       if argument != sys.executable]
+            self._process.stdin.write(json.dumps(dict(
+                output, id=request, arguments=arguments, env=env, cwd=cwd)).encode() + b"\n")
+            self._process.stdin.flush()
+        try:
+            returncode = code.result(timeout)
+        except futures.TimeoutError:
+            os.kill(pid.result(), signal.SIGKILL)
+            code.result()
+            raise subprocess.TimeoutExpired([sys.executable, *arguments], timeout) from None
+        texts = {}
+        for name, path in output.items():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                texts[name] = f.read()
+            os.remove(path)
+        return subprocess.CompletedProcess([sys.executable, *arguments], returncode, **texts)
+
+    def close(self):
+        self._process.stdin.close()
+        self._process.wait()
+
+
+def _short(argument):
+    """A command's argument as the session's summary shows it."""
+    if "\n" in argument:
+        return "CODE"
+    return os.path.relpath(argument, ROOT) if argument.startswith(ROOT) else argument[:60]
 
 
 # Chief programs run in the background, two at a time: a chief alone keeps about one of
@@ -116,6 +210,8 @@ def end_session():
     """Drops the programs not started yet (the session ends early: -x, an interrupt)
     and the runs' files."""
     _POOL.shutdown(wait=False, cancel_futures=True)
+    for forker in _FORKERS.values():
+        forker.close()
     for directory in _DIRECTORIES:
         shutil.rmtree(directory, ignore_errors=True)
 

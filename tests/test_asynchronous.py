@@ -13,20 +13,17 @@ at once keep their id -> row maps consistent and count every id once per step.
 
 import functools
 import os
-import subprocess
-import sys
 
 import pytest
 
 import hybrid_strategy
 from hybrid_strategy.placement import plan as placement
-from runs import FAULTY_CHIEF, Runs, environ, json_report, on_cluster
+from runs import FAULTY_CHIEF, Runs, environ, json_report, on_cluster, python
 import test_replicas
 
 pytestmark = pytest.mark.cluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 SCENARIO = os.path.join(HERE, "async_scenario.py")
 TOLERANCE = 1e-5
 STEPS, EPOCHS = 24, 6  # async_scenario.CTR_STEPS, CTR_EPOCHS
@@ -42,10 +39,8 @@ def killed_worker_run():
         "HybridStrategy(task_timeout=10)",
         "HybridStrategy(task_timeout=10, architecture='ps', asynchronous=True)")
     assert chief != FAULTY_CHIEF
-    return subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
-         "--", sys.executable, "-c", chief, "1", "SIGKILL"],
-        env=environ(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    return python(on_cluster("-c", chief, "1", "SIGKILL", workers=2, ps=1), env=environ(),
+                  timeout=300)
 
 
 # In the order the tests first need them.

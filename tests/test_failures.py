@@ -5,18 +5,14 @@ The launcher runs go in the background, two at a time.
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from runs import FAULTY_CHIEF, Runs
+from runs import FAULTY_CHIEF, Runs, environ, on_cluster, python
 
 pytestmark = pytest.mark.cluster
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # FAULTY_CHIEF's victims: the server that it kills.
 VICTIMS = {"worker": 1, "ps": 2}
@@ -31,12 +27,7 @@ UNAVAILABLE_CHIEF = textwrap.dedent("""
 
 
 def launched(workers, *chief):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
-    env.pop("TF_CONFIG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps",
-         "1", "--", sys.executable, "-c", *chief],
-        env=env, capture_output=True, text=True, timeout=240)
+    return python(on_cluster("-c", *chief, workers=workers, ps=1), env=environ(), timeout=240)
 
 
 RUNS = Runs({**{victim: functools.partial(launched, 2, FAULTY_CHIEF, str(server), "SIGKILL")
@@ -48,7 +39,7 @@ RUNS = Runs({**{victim: functools.partial(launched, 2, FAULTY_CHIEF, str(server)
 def test_killed_task_ends_the_chief_with_exit_75_naming_it(victim):
     run = RUNS.result(victim)
     assert run.returncode == 75, run.stderr[-3000:]
-    job, index, address = json.loads(run.stdout.splitlines()[0])
+    job, index, address, _ = json.loads(run.stdout.splitlines()[0])
     assert "training went on" not in run.stdout
     # One message naming the task, whether TensorFlow raised (a connection reset) or the
     # monitor noticed first; no TensorFlow traceback.

@@ -21,7 +21,7 @@ import pytest
 import hybrid_strategy
 from hybrid_strategy.cluster import config as cluster
 from hybrid_strategy.cluster.launch import LocalCluster
-from runs import FAULTY_CHIEF, SMALL_CHIEF, Runs
+from runs import FAULTY_CHIEF, SMALL_CHIEF, Runs, environ, on_cluster, python
 
 pytestmark = pytest.mark.cluster
 
@@ -29,30 +29,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
 
 def test_a_hung_worker_ends_the_chief_with_exit_75_naming_it():
-    with LocalCluster(workers=2, ps=1) as local:
-        stopped_pid = local.pids[1]
-        # SIGSTOP: the kernel still accepts connections for the worker, TensorFlow would
-        # wait for it forever.
-        chief = subprocess.Popen([sys.executable, "-c", FAULTY_CHIEF, "1", "SIGSTOP"],
-                                 env=local.chief_environ(ENV), cwd=REPO,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-        try:
-            ready, _, _ = select.select([chief.stdout], [], [], 180)
-            assert ready and json.loads(chief.stdout.readline())[:2] == ["worker", 1], \
-                chief.stderr.read()
-            # task_timeout=10, probes every 2 s: the chief ends well within 40 s.
-            _, stderr = chief.communicate(timeout=40)
-        finally:
-            os.kill(stopped_pid, signal.SIGCONT)  # let close() stop it normally
-            if chief.poll() is None:
-                chief.kill()
-                chief.wait()
-    assert chief.returncode == 75, stderr[-3000:]
-    address = local.config.address("worker", 1)
+    # SIGSTOP: the kernel still accepts connections for the worker, TensorFlow would wait
+    # for it forever.
+    run = python(on_cluster("-c", FAULTY_CHIEF, "1", "SIGSTOP", workers=2, ps=1),
+                 env=environ(), timeout=300)
+    ended = time.monotonic()
+    assert run.returncode == 75, run.stderr[-3000:]
+    job, index, address, stopped_at = json.loads(run.stdout.splitlines()[0])
+    assert (job, index) == ("worker", 1)
+    # task_timeout=10, probes every 2 s: the chief ends well within 40 s, and the launcher
+    # then gives the stopped worker 5 s to end before it kills it.
+    assert ended - stopped_at < 45
     assert f"1 task(s) stopped answering for 10 s:\n  /job:worker/task:1 at {address} " \
-           "(it accepted the connection but sent no HTTP/2 answer" in stderr
-    assert all(process.poll() is not None for process in local.processes)
+           "(it accepted the connection but sent no HTTP/2 answer" in run.stderr
 
 
 def test_a_silent_listener_fails_start_up_within_connect_timeout(monkeypatch):
@@ -133,12 +122,11 @@ def restarting_launcher(name, directory):
     """(the launcher's run, the state file) of RESTARTS[name]."""
     victim, max_restarts = RESTARTS[name]
     out = os.path.join(directory, "state.npz")
-    run = subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1",
-         "--max-restarts", str(max_restarts), "--", sys.executable, "-c", RESTARTING_CHIEF,
+    run = python(
+        ["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1", "--max-restarts",
+         str(max_restarts), "--fork-chief", "--", sys.executable, "-c", RESTARTING_CHIEF,
          os.path.join(directory, "backup"), out, str(victim)],
-        env=ENV, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=600)
+        env=environ(), timeout=600)
     return run, out
 
 
@@ -196,18 +184,13 @@ def test_a_chief_restarted_against_the_same_servers_resumes_without_stale_state(
     """A chief killed and restarted at once (Kubernetes restarts only the chief's pod):
     the servers it finds hold nothing of its predecessor."""
     out = tmp_path / "state.npz"
-    command = [sys.executable, "-c", RESTARTING_CHIEF, str(tmp_path / "backup"), str(out),
-               "chief"]
+    command = ["-c", RESTARTING_CHIEF, str(tmp_path / "backup"), str(out), "chief"]
     with LocalCluster(workers=2, ps=1) as local:
-        first = subprocess.run(command, env=local.chief_environ(ENV), cwd=REPO,
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                               timeout=300)
+        first = python(command, env=local.chief_environ(environ()), timeout=300)
         assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
         rss_after_kill = ps_rss_mb(local)
-        second = subprocess.run(command, env=dict(local.chief_environ(ENV),
-                                                  HYBRID_STRATEGY_RESTART_COUNT="1"),
-                                cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
-                                text=True, timeout=300)
+        second = python(command, env=dict(local.chief_environ(environ()),
+                                          HYBRID_STRATEGY_RESTART_COUNT="1"), timeout=300)
         assert second.returncode == 0, second.stderr[-3000:]
         print(f"ps RSS: {rss_after_kill} MB after the kill, {ps_rss_mb(local)} MB after "
               "the restarted chief trained")

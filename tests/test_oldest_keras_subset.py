@@ -5,20 +5,18 @@ would drop its part of the subset without a word.
 """
 
 import os
-import subprocess
-import sys
 
 import conftest
+from runs import environ, python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_every_entry_takes_at_least_one_test():
-    collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "-m", "oldest_keras", *sorted(conftest.OLDEST_KERAS)],
-        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert collected.returncode == 0, collected.stdout[-3000:]
+    collected = python(
+        ["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+         "oldest_keras", *sorted(conftest.OLDEST_KERAS)], env=environ(), cwd=HERE, timeout=300)
+    assert collected.returncode == 0, (collected.stdout + collected.stderr)[-3000:]
     ids = {}
     for line in collected.stdout.splitlines():
         if "::" in line:

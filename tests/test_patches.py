@@ -8,7 +8,6 @@ with one error naming the versions; setup.py, versions.py and docs/patches.md ag
 import json
 import os
 import re
-import subprocess
 import sys
 import types
 
@@ -20,6 +19,7 @@ from hybrid_strategy import versions
 from hybrid_strategy.keras_integration import patch as patch_lib
 from hybrid_strategy.keras_integration import registry
 from hybrid_strategy.keras_integration.patches import PATCHES
+from runs import environ, python
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,9 +43,8 @@ print(json.dumps({"installed": sorted(registry.installed()),
 
 @pytest.mark.parametrize("legacy", ["0", "1"], ids=["keras3", "tf_keras"])
 def test_every_declared_patch_is_installed_and_nothing_else(legacy):
-    env = dict(os.environ, TF_USE_LEGACY_KERAS=legacy, PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", INSTALLED], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=300)
+    out = python(["-c", INSTALLED], env=environ("tf_keras" if legacy == "1" else "keras3"),
+                 timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["installed"] == report["declared"]
@@ -192,9 +191,9 @@ def test_the_docs_page_is_generated_from_the_registry():
 
 
 def test_the_command_prints_every_patch():
-    printed = subprocess.run(
-        [sys.executable, "-m", "hybrid_strategy.keras_integration"], capture_output=True,
-        text=True, check=True, cwd=REPO, timeout=120).stdout
+    run = python(["-m", "hybrid_strategy.keras_integration"], env=environ(), timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = run.stdout
     for patch in PATCHES:
         assert patch.name in printed
         assert f"checks {patch.checks[0]}: {patch.checks[1]}" in printed

@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -26,7 +25,7 @@ from hybrid_strategy.cluster import launch
 from hybrid_strategy.cluster import server
 from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.input import service_input
-from runs import ROOT, Runs, environ
+from runs import Runs, environ, python
 from test_launch import gone
 
 pytestmark = pytest.mark.cluster
@@ -34,7 +33,8 @@ pytestmark = pytest.mark.cluster
 TOLERANCE = 1e-5
 SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replicas_scenario.py")
 LAUNCH = ["-m", "hybrid_strategy.launch", "--workers", "2", "--devices-per-worker", "2",
-          "--ps", "1", "--data-service-workers", "2", "--", sys.executable, SCENARIO]
+          "--ps", "1", "--data-service-workers", "2", "--fork-chief", "--", sys.executable,
+          SCENARIO]
 
 
 FLAVOURS = ("keras3", "tf_keras")
@@ -42,8 +42,7 @@ FLAVOURS = ("keras3", "tf_keras")
 
 def launcher_run(flavour):
     """The launcher's run: (its report, the run); the chief ends by losing the dispatcher."""
-    run = subprocess.run([sys.executable] + LAUNCH, env=environ(flavour), cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+    run = python(LAUNCH, env=environ(flavour))
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if not lines:
         pytest.fail(f"2 workers x 2 replicas ({flavour}) exited {run.returncode} "
@@ -231,10 +230,8 @@ def test_data_service_server_says_when_its_port_is_taken():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))  # bound, not listening: the server cannot bind
         port = taken.getsockname()[1]
-        run = subprocess.run([sys.executable, "-m", "hybrid_strategy.data_service",
-                              "dispatcher", "--port", str(port)],
-                             env=environ(), cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
+        run = python(["-m", "hybrid_strategy.data_service", "dispatcher", "--port", str(port)],
+                     env=environ(), timeout=120)
     assert run.returncode == server.EXIT_CANNOT_SERVE, run.stderr
     assert f"tf.data service dispatcher could not start on port {port}" in run.stderr
 
@@ -304,8 +301,7 @@ print(json.dumps(errors))
 
 def test_the_in_graph_sum_gives_every_device_the_same_sum_in_few_messages():
     # 2, 4 and 8 devices, lengths that do not split evenly, one process of 8 CPU devices.
-    out = subprocess.run([sys.executable, "-c", IN_GRAPH_SUM], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env=environ())
+    out = python(["-c", IN_GRAPH_SUM], env=environ(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for count, error, identical, messages in json.loads(out.stdout.strip().splitlines()[-1]):
         assert error <= 1e-6 and identical
