@@ -80,12 +80,18 @@ def environ(flavour="keras3"):
     return env
 
 
-def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=ROOT):
-    """Runs `python *arguments` (see `python`); fails the test with its stderr if it
-    fails, else returns the last line it printed, parsed as JSON. `what` names the run in
-    the failure."""
-    run = python(arguments, env=environ(flavour) if env is None else env, cwd=cwd,
-                 timeout=timeout)
+def json_report(arguments, what, flavour="keras3", timeout=900, env=None, cwd=ROOT,
+                fresh=False):
+    """Runs `python *arguments` (see `python`; `fresh=True`: a new Python, for a run that
+    must not find even a part of this package imported); fails the test with its stderr
+    if it fails, else returns the last line it printed, parsed as JSON. `what` names the
+    run in the failure."""
+    env = environ(flavour) if env is None else env
+    if fresh:
+        run = subprocess.run([sys.executable, *arguments], env=env, cwd=cwd,
+                             capture_output=True, text=True, timeout=timeout)
+    else:
+        run = python(arguments, env=env, cwd=cwd, timeout=timeout)
     if run.returncode != 0:
         pytest.fail(f"{what} exited {run.returncode}:\n{run.stderr[-6000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])

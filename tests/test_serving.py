@@ -40,7 +40,7 @@ def train_and_serve(flavour, out_dir):
                    for path in model["exports"].values()], f)
     serve_env = {k: v for k, v in environ(flavour).items() if k != "PYTHONPATH"}
     served = json_report([os.path.join(HERE, "serve_saved_model.py"), requests],
-                         "serving", env=serve_env, timeout=600, cwd=out_dir)
+                         "serving", env=serve_env, timeout=600, cwd=out_dir, fresh=True)
     return flavour, trained, served
 
 
