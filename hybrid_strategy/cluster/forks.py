@@ -156,8 +156,11 @@ def start_python(arguments: list[str], environ: dict[str, str], *, deathsig=None
         if in_child:
             in_child()
     except BaseException:  # pylint: disable=broad-except
+        # Not through the exit handlers: they are still this process's (a LocalCluster's
+        # would stop its servers).
         traceback.print_exc()
-        _end_as_python(1, interrupted=False)
+        sys.stderr.flush()
+        os._exit(1)
     run_python(arguments, environ)
 
 
