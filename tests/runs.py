@@ -61,11 +61,12 @@ FAULTY_CHIEF = SMALL_CHIEF + textwrap.dedent("""
 """)
 
 
-def on_cluster(script, *args, workers=2, ps=1, devices_per_worker=1):
+def on_cluster(script, *args, workers=2, ps=1, devices_per_worker=1, launcher=()):
     """The arguments after `python` that run `script` as the chief of a local cluster
-    (each worker with `devices_per_worker` CPU replicas)."""
+    (each worker with `devices_per_worker` CPU replicas), the launcher given the further
+    options `launcher`."""
     return ["-m", "hybrid_strategy.launch", "--workers", str(workers), "--ps", str(ps),
-            "--devices-per-worker", str(devices_per_worker), "--fork-chief", "--",
+            "--devices-per-worker", str(devices_per_worker), *launcher, "--fork-chief", "--",
             sys.executable, script, *args]
 
 

@@ -122,11 +122,10 @@ def restarting_launcher(name, directory):
     """(the launcher's run, the state file) of RESTARTS[name]."""
     victim, max_restarts = RESTARTS[name]
     out = os.path.join(directory, "state.npz")
-    run = python(
-        ["-m", "hybrid_strategy.launch", "--workers", "2", "--ps", "1", "--max-restarts",
-         str(max_restarts), "--fork-chief", "--", sys.executable, "-c", RESTARTING_CHIEF,
-         os.path.join(directory, "backup"), out, str(victim)],
-        env=environ(), timeout=600)
+    run = python(on_cluster("-c", RESTARTING_CHIEF, os.path.join(directory, "backup"), out,
+                            str(victim), workers=2, ps=1,
+                            launcher=("--max-restarts", str(max_restarts))),
+                 env=environ(), timeout=600)
     return run, out
 
 

@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import socket
-import sys
 
 import pytest
 import tensorflow as tf
@@ -25,16 +24,15 @@ from hybrid_strategy.cluster import launch
 from hybrid_strategy.cluster import server
 from hybrid_strategy.communication import hierarchical_allreduce
 from hybrid_strategy.input import service_input
-from runs import Runs, environ, python
+from runs import Runs, environ, on_cluster, python
 from test_launch import gone
 
 pytestmark = pytest.mark.cluster
 
 TOLERANCE = 1e-5
 SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replicas_scenario.py")
-LAUNCH = ["-m", "hybrid_strategy.launch", "--workers", "2", "--devices-per-worker", "2",
-          "--ps", "1", "--data-service-workers", "2", "--fork-chief", "--", sys.executable,
-          SCENARIO]
+LAUNCH = on_cluster(SCENARIO, workers=2, ps=1, devices_per_worker=2,
+                    launcher=("--data-service-workers", "2"))
 
 
 FLAVOURS = ("keras3", "tf_keras")
