@@ -6,8 +6,8 @@ per side whatever its size: with small tensors, the calls cost more than the byt
 So what one task sends another in one exchange of a step (the ids a worker looks up
 in every table, the rows that come back, its gradients of every table, its dense
 gradients and what rides with them) is put in an `Outbox` and crosses as one tensor
-of bytes per pair of tasks: the parts' dynamic dimensions in front, then every part's
-bytes. The receiver knows each part's dtype and static shape from the graph, and
+of bytes per pair of tasks: the shapes of the parts not fully known when traced in
+front, then every part's bytes. The receiver knows each part's dtype and static shape from the graph, and
 reads the rest from the front.
 
 Values may cross in a narrower dtype than they are computed in (`wire_dtype`,
@@ -27,6 +27,7 @@ print(arrived[ids].numpy(), arrived[rows].shape)      # [4 1] (2, 3)
 
 import collections
 
+import numpy as np
 import tensorflow as tf
 
 # dtypes rows may cross in, besides the table's own.
@@ -64,7 +65,7 @@ class Outbox:
     pair's parts on the source, sends them as one tensor of bytes, and unpacks them
     on the destination: `deliver()[ticket]` is the tensor as it arrived there. A
     part that travels alone crosses as it is. Parts may be of any numeric dtype
-    and known rank; their dimensions unknown when traced cross in front of them.
+    and known rank; the shapes of those not fully known when traced cross in front.
     """
 
     def __init__(self):
@@ -108,53 +109,76 @@ def _same_device(a, b):
     return a == b
 
 
-def _bytes_of(tensor):
-    """`tensor` flattened into its bytes (uint8)."""
+def _bytes_of(tensor, flat):
+    """`tensor`'s bytes as one uint8 vector (`flat`: the shape [-1], shared by a pack)."""
     if tensor.dtype == tf.bool:
         tensor = tf.cast(tensor, tf.uint8)
-    flat = tf.reshape(tensor, [-1])
-    if flat.dtype.size == 1:
-        return tf.bitcast(flat, tf.uint8) if flat.dtype != tf.uint8 else flat
-    return tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
+    elif tensor.dtype != tf.uint8:
+        tensor = tf.bitcast(tensor, tf.uint8)  # each element's bytes on a new last axis
+    return tf.reshape(tensor, flat)
 
 
 def _pack(parts):
-    """[every unknown dimension of `parts`, as int64] + each part's bytes, as uint8."""
-    unknown = [tf.shape(part, out_type=tf.int64)[axis] for part in parts
-               for axis, size in enumerate(part.shape.as_list()) if size is None]
-    front = [_bytes_of(tf.stack(unknown))] if unknown else []
-    return tf.concat(front + [_bytes_of(part) for part in parts], 0)
+    """The shapes of the parts with a dimension unknown when traced (int64), then each
+    part's bytes, as one uint8 vector.
+
+    Each op costs the tracing process a fraction of a millisecond and every step a few
+    microseconds on its task, and a step packs dozens of parts: so a part takes a
+    bitcast and a reshape on each side, whatever its shape, and the sizes of them all
+    are found in a few ops.
+    """
+    flat = tf.constant([-1])
+    front = [tf.shape(part, out_type=tf.int64) for part in parts
+             if not part.shape.is_fully_defined()]
+    if len(front) > 1:
+        front = [tf.concat(front, 0)]
+    return tf.concat([_bytes_of(part, flat) for part in front + list(parts)], 0)
 
 
 def _unpack(packed, parts):
     """The inverse of `_pack`, given the parts as the sender traced them."""
-    unknown = sum(size is None for part in parts for size in part.shape.as_list())
-    dims = iter(())
-    if unknown:
-        dims = iter(tf.unstack(tf.bitcast(tf.reshape(packed[:8 * unknown], [unknown, 8]),
-                                          tf.int64)))
-        packed = packed[8 * unknown:]
-    shapes, sizes = [], []
-    for part in parts:
-        shape = [next(dims) if size is None else size for size in part.shape.as_list()]
-        shapes.append(shape)
-        size = 1 if part.dtype == tf.bool else part.dtype.size
-        for d in shape:
-            size = size * d
-        sizes.append(size)
-    if any(tf.is_tensor(size) for size in sizes):
-        sizes = tf.stack([tf.cast(size, tf.int64) for size in sizes])
+    dynamic = [i for i, part in enumerate(parts) if not part.shape.is_fully_defined()]
+    sizes = [None if i in dynamic else parts[i].shape.num_elements() * _itemsize(parts[i])
+             for i in range(len(parts))]
+    shapes = {}
+    if dynamic:
+        ranks = [parts[i].shape.rank for i in dynamic]
+        front, packed = tf.split(packed, [8 * sum(ranks), -1], num=2)
+        dims = tf.bitcast(tf.reshape(front, [-1, 8]), tf.int64)
+        # Each dynamic part's size in bytes: the product of its dimensions, times its
+        # item's size.
+        owners = np.repeat(np.arange(len(dynamic), dtype=np.int64), ranks)
+        dynamic_sizes = tf.math.segment_prod(dims, owners) * np.array(
+            [_itemsize(parts[i]) for i in dynamic], np.int64)
+        static = [i for i in range(len(parts)) if i not in dynamic]
+        sizes = tf.dynamic_stitch(
+            [np.array(static, np.int32), np.array(dynamic, np.int32)],
+            [np.array([sizes[i] for i in static], np.int64), dynamic_sizes])
+        # A reshape infers one unknown dimension, if no other is 0; other parts need
+        # their shapes.
+        explicit = [i for i in dynamic if parts[i].shape.as_list().count(None) > 1
+                    or 0 in parts[i].shape.as_list()]
+        if explicit:
+            for i, shape in zip(dynamic, tf.split(dims, ranks, num=len(dynamic))):
+                if i in explicit:
+                    shapes[i] = shape
     received = []
-    for piece, part, shape in zip(tf.split(packed, sizes, num=len(parts)), parts, shapes):
+    for i, (piece, part) in enumerate(zip(tf.split(packed, sizes, num=len(parts)), parts)):
         dtype = tf.uint8 if part.dtype == tf.bool else part.dtype
+        shape = shapes.get(i, [-1 if size is None else size for size in part.shape.as_list()])
         if dtype.size > 1:
-            piece = tf.bitcast(tf.reshape(piece, [-1, dtype.size]), dtype)
-        elif dtype != tf.uint8:
-            piece = tf.bitcast(piece, dtype)
+            shape = (tf.concat([shape, np.array([dtype.size], np.int64)], 0) if i in shapes
+                     else shape + [dtype.size])
         value = tf.reshape(piece, shape)
+        if dtype != tf.uint8:
+            value = tf.bitcast(value, dtype)
         value.set_shape(part.shape)
         received.append(tf.cast(value, tf.bool) if part.dtype == tf.bool else value)
     return received
+
+
+def _itemsize(part):
+    return 1 if part.dtype == tf.bool else part.dtype.size
 
 
 def canonical(device):
