@@ -702,13 +702,17 @@ def checked_ids(ids, num_rows, what):
                f"in [0, {num_rows})")
     # One assertion for both bounds: each is a stateful op, which tf.function orders
     # after every other one traced before it on the same task (communication/side_effects.py).
+    # tf.raw_ops.Assert, not tf.debugging.Assert: for ids other than int32 that one guards
+    # the assertion with a conditional, two more functions traced for every lookup.
     in_range = tf.logical_and(ids >= 0, ids < tf.cast(num_rows, ids.dtype))
-    checks = [tf.debugging.Assert(tf.reduce_all(in_range), [message, "ids:", ids])]
+    checks = [tf.raw_ops.Assert(condition=tf.reduce_all(in_range),
+                                data=[message, "ids:", ids], summarize=3)]
     if ids.dtype.is_floating:
-        checks.append(tf.debugging.assert_equal(
-            ids, tf.floor(ids),
-            message=f"embedding ids for {what} must be whole numbers, got {ids.dtype.name} "
-                    "ids with a fractional part: pass integer ids (int32 or int64)"))
+        checks.append(tf.raw_ops.Assert(
+            condition=tf.reduce_all(tf.equal(ids, tf.floor(ids))),
+            data=[f"embedding ids for {what} must be whole numbers, got {ids.dtype.name} "
+                  "ids with a fractional part: pass integer ids (int32 or int64)",
+                  "ids:", ids], summarize=3))
     with tf.control_dependencies(checks):
         return tf.identity(ids)
 
