@@ -1,7 +1,8 @@
 """Makes the repository and tests/ importable, keeps TensorFlow's logs short, declares the
-markers (`cluster`, `oldest_keras`), gives tests this machine's CPU cgroups
-(`cpu_groups_here`), drops the background chief programs (tests/runs.py) no test is left
-to read, and, with --durations, lists the runs that took the most CPU."""
+markers (`cluster`, `oldest_keras`), runs first the modules with no chief program in the
+background (tests/runs.py), gives tests this machine's CPU cgroups (`cpu_groups_here`),
+drops the background chief programs no test is left to read, and, with --durations,
+lists the runs that took the most CPU."""
 
 import os
 import sys
@@ -41,9 +42,14 @@ OLDEST_KERAS = {
 
 
 def pytest_collection_modifyitems(items):
+    import runs  # pylint: disable=import-outside-toplevel
     for item in items:
         if any(part in item.nodeid for part in OLDEST_KERAS.get(item.path.name, ())):
             item.add_marker(pytest.mark.oldest_keras)
+    # The modules with no chief program in the background (tests/runs.py) first: their
+    # work in this process runs beside the others' programs, not after the last of them
+    # with a core idle.
+    items.sort(key=lambda item: runs.in_background(getattr(item, "module", None)))
 
 
 @pytest.fixture

@@ -193,6 +193,11 @@ _POOL = futures.ThreadPoolExecutor(2, thread_name_prefix="runs")
 _DIRECTORIES = []  # the session's directory for the runs' files, once one needs it
 
 
+def in_background(module):
+    """Whether test module `module` runs chief programs in the background (a `Runs`)."""
+    return any(isinstance(value, Runs) for value in vars(module or object).values())
+
+
 def start_in_order(items):
     """Starts, in the order of `items`, every job of a module's `Runs` that one of them
     names: the whole session's chief programs queue at once, so that two run at every
