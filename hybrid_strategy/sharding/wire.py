@@ -7,8 +7,8 @@ So what one task sends another in one exchange of a step (the ids a worker looks
 in every table, the rows that come back, its gradients of every table, its dense
 gradients and what rides with them) is put in an `Outbox` and crosses as one tensor
 of bytes per pair of tasks: the shapes of the parts not fully known when traced in
-front, then every part's bytes. The receiver knows each part's dtype and static shape from the graph, and
-reads the rest from the front.
+front, then every part's bytes. The receiver knows each part's dtype and static shape
+from the graph, and reads the rest from the front.
 
 Values may cross in a narrower dtype than they are computed in (`wire_dtype`,
 e.g. bfloat16: half the bytes of float32); `to_wire` and `from_wire` cast them and
@@ -132,14 +132,14 @@ def _pack(parts):
              if not part.shape.is_fully_defined()]
     if len(front) > 1:
         front = [tf.concat(front, 0)]
-    return tf.concat([_bytes_of(part, flat) for part in front + list(parts)], 0)
+    return tf.concat([_bytes_of(part, flat) for part in front + parts], 0)
 
 
 def _unpack(packed, parts):
     """The inverse of `_pack`, given the parts as the sender traced them."""
     dynamic = [i for i, part in enumerate(parts) if not part.shape.is_fully_defined()]
-    sizes = [None if i in dynamic else parts[i].shape.num_elements() * _itemsize(parts[i])
-             for i in range(len(parts))]
+    static = [i for i in range(len(parts)) if i not in dynamic]
+    sizes = [parts[i].shape.num_elements() * _itemsize(parts[i]) for i in static]
     shapes = {}
     if dynamic:
         ranks = [parts[i].shape.rank for i in dynamic]
@@ -150,10 +150,8 @@ def _unpack(packed, parts):
         owners = np.repeat(np.arange(len(dynamic), dtype=np.int64), ranks)
         dynamic_sizes = tf.math.segment_prod(dims, owners) * np.array(
             [_itemsize(parts[i]) for i in dynamic], np.int64)
-        static = [i for i in range(len(parts)) if i not in dynamic]
-        sizes = tf.dynamic_stitch(
-            [np.array(static, np.int32), np.array(dynamic, np.int32)],
-            [np.array([sizes[i] for i in static], np.int64), dynamic_sizes])
+        sizes = tf.dynamic_stitch([np.array(static, np.int32), np.array(dynamic, np.int32)],
+                                  [np.array(sizes, np.int64), dynamic_sizes])
         # A reshape infers one unknown dimension, if no other is 0; other parts need
         # their shapes.
         explicit = [i for i in dynamic if parts[i].shape.as_list().count(None) > 1
@@ -165,7 +163,7 @@ def _unpack(packed, parts):
     received = []
     for i, (piece, part) in enumerate(zip(tf.split(packed, sizes, num=len(parts)), parts)):
         dtype = tf.uint8 if part.dtype == tf.bool else part.dtype
-        shape = shapes.get(i, [-1 if size is None else size for size in part.shape.as_list()])
+        shape = shapes.get(i, [-1 if d is None else d for d in part.shape.as_list()])
         if dtype.size > 1:
             shape = (tf.concat([shape, np.array([dtype.size], np.int64)], 0) if i in shapes
                      else shape + [dtype.size])
