@@ -139,7 +139,7 @@ def _unpack(packed, parts):
     """The inverse of `_pack`, given the parts as the sender traced them."""
     dynamic = [i for i, part in enumerate(parts) if not part.shape.is_fully_defined()]
     static = [i for i in range(len(parts)) if i not in dynamic]
-    sizes = [parts[i].shape.num_elements() * _itemsize(parts[i]) for i in static]
+    sizes = [parts[i].shape.num_elements() * _carried(parts[i]).size for i in static]
     shapes = {}
     if dynamic:
         ranks = [parts[i].shape.rank for i in dynamic]
@@ -149,7 +149,7 @@ def _unpack(packed, parts):
         # item's size.
         owners = np.repeat(np.arange(len(dynamic), dtype=np.int64), ranks)
         dynamic_sizes = tf.math.segment_prod(dims, owners) * np.array(
-            [_itemsize(parts[i]) for i in dynamic], np.int64)
+            [_carried(parts[i]).size for i in dynamic], np.int64)
         sizes = tf.dynamic_stitch([np.array(static, np.int32), np.array(dynamic, np.int32)],
                                   [np.array(sizes, np.int64), dynamic_sizes])
         # A reshape infers one unknown dimension, if no other is 0; other parts need
@@ -162,7 +162,7 @@ def _unpack(packed, parts):
                     shapes[i] = shape
     received = []
     for i, (piece, part) in enumerate(zip(tf.split(packed, sizes, num=len(parts)), parts)):
-        dtype = tf.uint8 if part.dtype == tf.bool else part.dtype
+        dtype = _carried(part)
         shape = shapes.get(i, [-1 if d is None else d for d in part.shape.as_list()])
         if dtype.size > 1:
             shape = (tf.concat([shape, np.array([dtype.size], np.int64)], 0) if i in shapes
@@ -175,8 +175,9 @@ def _unpack(packed, parts):
     return received
 
 
-def _itemsize(part):
-    return 1 if part.dtype == tf.bool else part.dtype.size
+def _carried(part):
+    """The dtype `part` crosses in: bool as uint8."""
+    return tf.uint8 if part.dtype == tf.bool else part.dtype
 
 
 def canonical(device):
