@@ -235,6 +235,30 @@ def test_a_sketch_keeps_a_fixed_size_and_its_error_under_ids_that_never_repeat()
     assert early <= 0.01 * 4000, early
 
 
+@pytest.mark.parametrize("min_count,bits", [(3, 2), (10, 4), (200, 8), (60_000, 16)])
+def test_a_sketch_halves_its_counters_as_arithmetic_does_at_every_width(min_count, bits):
+    # Random counters, most of them nonzero: every counter halved as many times as it
+    # takes to bring the nonzero ones down to the limit, at least once.
+    _, dynamic = _layers()
+    counts = dynamic.sketch_lib.WaitingSketch(max_waiting=3000, min_count=min_count,
+                                              error=0.01, device="/cpu:0", name="s")
+    assert counts.bits == bits
+    rng = np.random.default_rng(bits)
+    counters = rng.integers(0, 2**bits, (counts.words.shape[0], 64 // bits), np.uint64)
+    counters[rng.random(counters.shape) < 0.2] = 0
+    counters[:, 0] = 2**bits - 1   # some counters at the top: halved more than once
+    shifts = np.arange(64 // bits, dtype=np.uint64) * np.uint64(bits)
+    counts.words.assign(np.bitwise_or.reduce(counters << shifts, 1).view(np.int64))
+    times = max(1, sum(int(np.sum(counters >> np.uint64(h) > 0)) > counts.limit
+                       for h in range(bits + 1)))
+    assert int(counts._halve()) == times
+    halved = counters >> np.uint64(times)
+    np.testing.assert_array_equal(
+        counts.words.numpy(), np.bitwise_or.reduce(halved << shifts, 1).view(np.int64))
+    assert int(counts.occupied.numpy()) == np.sum(halved > 0)
+    assert int(counts.halvings.numpy()) == times
+
+
 def test_a_sketch_restores_onto_another_number_of_shards_and_goes_on_alike(tmp_path):
     stream = _zipf_stream("int64", steps=16, batch=200, seed=1)
 
