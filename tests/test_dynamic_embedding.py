@@ -246,7 +246,7 @@ def test_a_sketch_halves_its_counters_as_arithmetic_does_at_every_width(min_coun
     rng = np.random.default_rng(bits)
     counters = rng.integers(0, 2**bits, (counts.words.shape[0], 64 // bits), np.uint64)
     counters[rng.random(counters.shape) < 0.2] = 0
-    counters[:, 0] = 2**bits - 1   # some counters at the top: halved more than once
+    counters[:, 0] = 2**bits - 1   # with these, the widths take 1, 3, 7 and 16 halvings
     shifts = np.arange(64 // bits, dtype=np.uint64) * np.uint64(bits)
     counts.words.assign(np.bitwise_or.reduce(counters << shifts, 1).view(np.int64))
     times = max(1, sum(int(np.sum(counters >> np.uint64(h) > 0)) > counts.limit
