@@ -185,7 +185,7 @@ class WaitingSketch:
 
         One count of the words' bytes (16-bit units for 16-bit counters): which
         counters a byte of each value holds is known beforehand, so a step traces a
-        few ops for it, where a count per counter of a word took dozens.
+        few ops for it, where a count per counter of a word took hundreds.
         """
         unit = max(8, self.bits)
         units = tf.reshape(tf.bitcast(words, tf.uint8 if unit == 8 else tf.uint16), [-1])
